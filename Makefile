@@ -1,0 +1,42 @@
+# Two commands: `make book` (executed HTML book in _build/html) and `make test`.
+# Set-up keeps a torch that the base Python already has (Colab, GPU boxes); otherwise it installs
+# a CPU-only torch, without several GB of CUDA libraries.
+
+PYTHON ?= python3
+VENV ?= .venv
+PROFILE ?= auto
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_CPU ?= torch==2.13.*
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+.PHONY: book test chapters bench clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	    echo "keeping the installed torch: venv with system site-packages"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else $(PYTHON) -m venv $(VENV); fi; \
+	fi
+	@$(PY) -c "import torch" 2>/dev/null || \
+	  $(PY) -m pip install --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
+	$(PY) -m pip install -e ".[test]"
+	@touch $(STAMP)
+
+chapters: $(STAMP)
+	$(PY) -m labutils.pipeline execute --profile $(PROFILE)
+
+book: $(STAMP)
+	$(PY) -m labutils.pipeline book --profile $(PROFILE)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench:
+	$(PY) -m labutils.pipeline bench
+
+clean:
+	rm -rf _build

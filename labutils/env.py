@@ -1,0 +1,26 @@
+"""What this run executes on: library versions and the device."""
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+LIBRARIES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate")
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def env_report() -> dict:
+    """Python and library versions, plus the device (cuda or cpu), its name and CUDA version."""
+    import torch
+
+    report = {"python": platform.python_version(), **{lib: _version(lib) for lib in LIBRARIES}}
+    if torch.cuda.is_available():
+        report.update(device="cuda", device_name=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
+    else:
+        report.update(device="cpu", device_name=platform.processor() or platform.machine(), cuda=None)
+    return report

@@ -1,0 +1,145 @@
+"""Execute chapters with papermill (once, cached by fingerprint) and build the HTML book from them.
+
+    python -m labutils.pipeline execute [--profile cpu] [STEM ...]
+    python -m labutils.pipeline book [--profile auto]
+    python -m labutils.pipeline bench
+"""
+from __future__ import annotations
+
+import argparse
+import filecmp
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD = ROOT / "_build"
+SITE = BUILD / "site"  # the book's sources as Sphinx sees them: pages plus executed notebooks
+PAGES = ("_config.yml", "_toc.yml", "intro.md", "references.bib")
+
+
+def chapters(root: Path = ROOT) -> list[str]:
+    """Chapter stems in table-of-contents order."""
+    return re.findall(r"chapters/([A-Za-z0-9_]+)", (root / "_toc.yml").read_text())
+
+
+def resolve_profile(profile: str) -> str:
+    """'auto' -> 'gpu' with CUDA, else 'cpu' (any other value goes to the chapter to reject)."""
+    if profile != "auto":
+        return profile
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
+    """Hash of a chapter's source, all of labutils, and its parameters."""
+    digest = hashlib.sha256((root / "chapters" / f"{stem}.md").read_bytes())
+    for module in sorted((root / "labutils").rglob("*.py")):
+        digest.update(module.name.encode() + module.read_bytes())
+    digest.update(json.dumps(parameters, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def execute(stem: str, profile: str = "auto", parameters: dict | None = None, force: bool = False,
+            root: Path = ROOT) -> Path:
+    """Run one chapter with papermill unless its fingerprint is unchanged; returns the executed notebook."""
+    import jupytext
+    import papermill
+
+    source = root / "chapters" / f"{stem}.md"
+    if not source.is_file():
+        raise FileNotFoundError(f"no chapter {source}; known chapters: {', '.join(chapters(root))}.")
+    params = {"profile": resolve_profile(profile), **(parameters or {})}
+    build = root / "_build"
+    executed = build / "executed" / f"{stem}.ipynb"
+    stamp = executed.with_suffix(".fingerprint")
+    results_file = build / "results" / f"{stem}.json"
+    key = fingerprint(stem, params, root)
+    if not force and executed.is_file() and results_file.is_file() and stamp.is_file() \
+            and stamp.read_text() == key:
+        print(f"{stem}: unchanged, not executed again")
+        return executed
+    plain = build / "notebooks" / f"{stem}.ipynb"
+    plain.parent.mkdir(parents=True, exist_ok=True)
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    notebook = jupytext.read(source)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    jupytext.write(notebook, plain)
+    stamp.unlink(missing_ok=True)
+    os.environ["LAB_RESULTS_DIR"] = str(build / "results")
+    start = time.perf_counter()
+    papermill.execute_notebook(str(plain), str(executed), parameters=params, kernel_name="python3",
+                               cwd=str(root), progress_bar=False)
+    stamp.write_text(key)
+    print(f"{stem}: executed in {time.perf_counter() - start:.1f} s ({params})")
+    return executed
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    """Copy keeping the destination untouched when equal, so Sphinx rebuilds only what changed."""
+    if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+
+
+def stage(root: Path = ROOT) -> None:
+    """Assemble the book's Sphinx sources: top-level pages and the executed chapters."""
+    for page in PAGES:
+        _copy_if_changed(root / page, SITE / page)
+    for page in (root / "appendix").glob("*.md") if (root / "appendix").is_dir() else ():
+        _copy_if_changed(page, SITE / "appendix" / page.name)
+    for stem in chapters(root):
+        _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
+
+
+def build_html(root: Path = ROOT) -> Path:
+    """Build the HTML from the staged sources, Sphinx warnings as errors; returns `_build/html`."""
+    stage(root)
+    jupyter_book = Path(sys.executable).with_name("jupyter-book")
+    subprocess.run([str(jupyter_book), "build", str(SITE), "--path-output", str(root), "-W",
+                    "--keep-going", "--quiet"], check=True)
+    return root / "_build" / "html"
+
+
+def bench(root: Path = ROOT) -> float:
+    """Print each chapter's own execution seconds from its results file; returns the total."""
+    total = 0.0
+    print(f"{'chapter':<24}{'profile':>8}{'seconds':>10}")
+    for stem in chapters(root):
+        path = root / "_build" / "results" / f"{stem}.json"
+        if not path.is_file():
+            print(f"{stem:<24}{'-':>8}{'not run':>10}")
+            continue
+        result = json.loads(path.read_text())
+        total += result["seconds"]
+        print(f"{stem:<24}{result['profile']:>8}{result['seconds']:>10.1f}")
+    print(f"{'total':<24}{'':>8}{total:>10.1f}")
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("command", choices=("execute", "book", "bench"))
+    parser.add_argument("stems", nargs="*", help="chapters to execute (default: all)")
+    parser.add_argument("--profile", default="auto", help="auto, cpu or gpu")
+    parser.add_argument("--force", action="store_true", help="execute even if unchanged")
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        bench()
+        return
+    for stem in args.stems or chapters():
+        execute(stem, args.profile, force=args.force)
+    if args.command == "book":
+        print(f"book: {build_html()}/index.html")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Every size and step count of every chapter, per profile, in one place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+VALID_PROFILES = ("auto", "cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Shape of a tiny causal LM built from config."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_positions: int = 2048
+    num_experts: int = 0  # 0 -> dense Qwen2; >0 -> Mixtral-style MoE
+    experts_per_token: int = 2
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """Supervised warm-up on the scratchpad task."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    min_walk: int  # walks trained on; longer ones are left for RL to learn
+    max_walk: int
+
+
+@dataclass(frozen=True)
+class TaskRange:
+    """Walk lengths the book evaluates and runs RL on."""
+
+    min_walk: int
+    max_walk: int
+    eval_problems: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything a chapter may size by profile."""
+
+    name: str
+    dense: ModelSize
+    moe: ModelSize
+    warmup: WarmupPlan
+    moe_warmup: WarmupPlan
+    task: TaskRange
+
+
+_WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
+
+PROFILES = {
+    "cpu": Profile(
+        name="cpu",
+        dense=ModelSize(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                        intermediate_size=256),
+        moe=ModelSize(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
+                      intermediate_size=96, num_experts=8, experts_per_token=2),
+        warmup=_WARMUP_CPU,
+        moe_warmup=replace(_WARMUP_CPU, steps=300),
+        task=TaskRange(min_walk=1, max_walk=20, eval_problems=256),
+    ),
+    "gpu": Profile(
+        name="gpu",
+        dense=ModelSize(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
+                        intermediate_size=704, max_positions=4096),
+        moe=ModelSize(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
+                      intermediate_size=256, max_positions=4096, num_experts=8,
+                      experts_per_token=2),
+        warmup=WarmupPlan(steps=1000, batch_size=64, lr=2e-3, min_walk=1, max_walk=16),
+        moe_warmup=WarmupPlan(steps=1000, batch_size=64, lr=2e-3, min_walk=1, max_walk=16),
+        task=TaskRange(min_walk=1, max_walk=28, eval_problems=1024),
+    ),
+}
+
+
+def resolve(profile: str) -> Profile:
+    """Turn a chapter's `profile` parameter into a Profile ("auto" -> gpu with CUDA, else cpu)."""
+    if profile not in VALID_PROFILES:
+        raise ValueError(
+            f"profile={profile!r} is not a profile; choose one of {', '.join(map(repr, VALID_PROFILES))}."
+        )
+    if profile == "auto":
+        import torch
+
+        profile = "gpu" if torch.cuda.is_available() else "cpu"
+    return PROFILES[profile]
+
+
+def check_parameters(profile: str, seed: int, **optional) -> Profile:
+    """Validate a chapter's parameters cell and resolve its profile; one clear sentence on a bad value.
+
+    `optional` may carry `model_id` (None, a local directory or a hub id) and `steps`
+    (None -> the profile's, else a positive int).
+    """
+    chosen = resolve(profile)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} is not a seed; pass a non-negative integer such as 0.")
+    model_id = optional.get("model_id")
+    if model_id is not None and (not isinstance(model_id, str) or not model_id.strip()):
+        raise ValueError(f"model_id={model_id!r} is not a model; pass None (the lab's model), "
+                         "a save_pretrained directory or a hub id.")
+    steps = optional.get("steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps={steps!r} is not a step count; pass None (the profile's) or a positive integer.")
+    return chosen

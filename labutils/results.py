@@ -1,0 +1,91 @@
+"""The results contract: one JSON per chapter with its profile, run time, environment and metrics."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from .env import env_report
+
+
+def project_root(start: Path | None = None) -> Path | None:
+    """The nearest folder up from `start` (or the working directory) holding `_toc.yml`."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "_toc.yml").is_file():
+            return folder
+    return None
+
+
+def results_dir() -> Path:
+    """`LAB_RESULTS_DIR`, else `<project>/_build/results`, else `./_build/results`."""
+    if "LAB_RESULTS_DIR" in os.environ:
+        return Path(os.environ["LAB_RESULTS_DIR"])
+    return (project_root() or Path.cwd()) / "_build" / "results"
+
+
+def flatten(metrics: dict, prefix: str = "") -> dict:
+    """Nested dicts to flat dotted keys; numbers to plain Python numbers."""
+    flat = {}
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = _plain(value)
+    return flat
+
+
+def _plain(value):
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN or inf
+    return value
+
+
+class ChapterRun:
+    """Collects a chapter's metrics; `save()` writes `<results>/<chapter>.json` atomically."""
+
+    def __init__(self, chapter: str, profile: str):
+        self.chapter, self.profile = chapter, profile
+        self.started = time.perf_counter()
+        self.env = env_report()
+        self.metrics: dict = {}
+
+    def record(self, **metrics) -> None:
+        """Add metrics; nested dicts become dotted keys (`record(eps={"float16": ...})`)."""
+        self.metrics.update(flatten(metrics))
+
+    def __getitem__(self, key: str):
+        return self.metrics[key]
+
+    def save(self) -> Path:
+        folder = results_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        payload = {"chapter": self.chapter, "profile": self.profile,
+                   "seconds": round(time.perf_counter() - self.started, 3),
+                   "env": self.env, "metrics": self.metrics}
+        target = folder / f"{self.chapter}.json"
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.chapter}-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=1, sort_keys=True)
+        os.replace(tmp, target)
+        return target
+
+
+def load(chapter: str, folder: Path | None = None) -> dict:
+    """A chapter's results file as a dict."""
+    return json.loads(((folder or results_dir()) / f"{chapter}.json").read_text())
+
+
+def gpu_reference(chapter: str) -> dict | None:
+    """The committed GPU reference results of a chapter (`results/gpu/<chapter>.json`), if any."""
+    root = project_root() or Path.cwd()
+    path = root / "results" / "gpu" / f"{chapter}.json"
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,76 @@
+"""profiles, results, measure, plots, env."""
+import json
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pytest
+
+from labutils import env_report, measure, plots, profiles, results
+
+
+def test_profiles_resolve_and_reject():
+    assert profiles.resolve("cpu").name == "cpu"
+    assert profiles.resolve("auto").name in ("cpu", "gpu")
+    with pytest.raises(ValueError, match="choose one of 'auto', 'cpu', 'gpu'"):
+        profiles.resolve("tpu")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"seed": -1}, "seed=-1"), ({"seed": "0"}, "seed='0'"), ({"seed": 0, "model_id": ""}, "model_id"),
+    ({"seed": 0, "steps": 0}, "steps=0"),
+])
+def test_bad_parameters_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        profiles.check_parameters("cpu", **kwargs)
+
+
+def test_every_profile_is_complete():
+    for p in profiles.PROFILES.values():
+        assert p.warmup.steps > 0 and p.task.max_walk > p.warmup.max_walk
+
+
+def test_flatten_makes_dotted_keys():
+    import torch
+
+    flat = results.flatten({"a": {"b": 1, "c": {"d": torch.tensor(2.5)}}, "e": float("nan")})
+    assert flat == {"a.b": 1, "a.c.d": 2.5, "e": "nan"}
+
+
+def test_chapter_run_writes_the_contract(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path))
+    run = results.ChapterRun("99_demo", "cpu")
+    run.record(eps={"float16": 2**-10}, flag=True)
+    path = run.save()
+    data = json.loads(path.read_text())
+    assert set(data) == {"chapter", "profile", "seconds", "env", "metrics"}
+    assert data["metrics"] == {"eps.float16": 2**-10, "flag": True}
+    assert set(data["env"]) == {"python", "torch", "transformers", "trl", "peft", "bitsandbytes",
+                                "accelerate", "device", "device_name", "cuda"}
+    assert results.load("99_demo", tmp_path) == data
+    assert [p.name for p in tmp_path.iterdir()] == ["99_demo.json"]  # no temporary left behind
+
+
+def test_measure_times_and_reads_memory():
+    with measure.measure("cpu") as m:
+        blob = bytearray(64 * 2**20)
+        time.sleep(0.05)
+    assert m.seconds >= 0.05 and m.peak_mem_mb > 64 and m.mem_label.startswith("CPU")
+    assert m.rate(10) == pytest.approx(10 / m.seconds)
+    del blob
+
+
+def test_plots_save_next_to_results(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path))
+    plots.style()
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    assert plots.save(fig, "99_demo", "line") == tmp_path / "figures" / "99_demo-line.png"
+    assert (tmp_path / "figures" / "99_demo-line.png").stat().st_size > 0
+
+
+def test_env_report_names_the_device():
+    report = env_report()
+    assert report["device"] in ("cpu", "cuda") and report["torch"][0].isdigit()
