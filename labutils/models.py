@@ -28,6 +28,13 @@ KINDS = ("dense", "moe")
 LAB_FILE = "lab.json"
 
 
+def _quiet_transformers() -> None:
+    """Loading bars for a 1 MB model are noise in an executed chapter."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def build_tokenizer():
     """A character-level `PreTrainedTokenizerFast`: one token per character, left padding."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -143,6 +150,7 @@ def eval_problems(profile: Profile, seed: int = 0) -> list[task.Problem]:
 def _build(kind: str, size: ModelSize, plan: WarmupPlan, seed: int, target: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    _quiet_transformers()
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
     model = AutoModelForCausalLM.from_config(build_config(size, tokenizer), dtype=torch.float32)
@@ -209,6 +217,7 @@ def load(model_id: str | None = None, kind: str = "dense", profile: Profile | No
     """(model, tokenizer) through the Auto classes; a corrupt lab cache is rebuilt once."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _quiet_transformers()
     if model_id is None and profile is None:
         raise ValueError("load() needs a profile (labutils.profiles.resolve) when model_id is None.")
     path = resolve_model(model_id, kind, profile, seed)
