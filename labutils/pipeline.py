@@ -75,11 +75,33 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     stamp.unlink(missing_ok=True)
     os.environ["LAB_RESULTS_DIR"] = str(build / "results")
     start = time.perf_counter()
-    papermill.execute_notebook(str(plain), str(executed), parameters=params, kernel_name="python3",
-                               cwd=str(root), progress_bar=False)
+    try:
+        papermill.execute_notebook(str(plain), str(executed), parameters=params, kernel_name="python3",
+                                   cwd=str(root), progress_bar=False)
+    except papermill.PapermillExecutionError:
+        _accept_expected_errors(executed)  # re-raises unless every error is in a `raises-exception` cell
     stamp.write_text(key)
     print(f"{stem}: executed in {time.perf_counter() - start:.1f} s ({params})")
     return executed
+
+
+class ChapterError(RuntimeError):
+    """A chapter cell failed that was not tagged `raises-exception`."""
+
+
+def _accept_expected_errors(executed: Path) -> None:
+    """papermill fails on any error output; keep the notebook if all errors were meant (tagged)."""
+    import nbformat
+    from papermill.execute import ERROR_MARKER_TAG
+
+    notebook = nbformat.read(executed, as_version=4)
+    notebook.cells = [c for c in notebook.cells if ERROR_MARKER_TAG not in c.metadata.get("tags", [])]
+    for cell in notebook.cells:
+        errors = [o for o in cell.get("outputs", []) if o.output_type == "error"]
+        if errors and "raises-exception" not in cell.metadata.get("tags", []):
+            raise ChapterError(f"{executed.name}: a cell not tagged raises-exception failed with "
+                               f"{errors[0].ename}: {errors[0].evalue}\n--- cell ---\n{cell.source}")
+    nbformat.write(notebook, executed)
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:

@@ -41,6 +41,20 @@ class TaskRange:
 
 
 @dataclass(frozen=True)
+class GrpoPlan:
+    """A GRPO run: steps, batch and group sizes, the walks its prompts ask for."""
+
+    steps: int
+    batch_size: int  # completions per step
+    num_generations: int  # completions per prompt (the group)
+    lr: float
+    lora_rank: int
+    min_walk: int
+    max_walk: int
+    prompts: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything a chapter may size by profile."""
 
@@ -50,6 +64,7 @@ class Profile:
     warmup: WarmupPlan
     moe_warmup: WarmupPlan
     task: TaskRange
+    grpo: GrpoPlan
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -64,6 +79,8 @@ PROFILES = {
         warmup=_WARMUP_CPU,
         moe_warmup=replace(_WARMUP_CPU, steps=300),
         task=TaskRange(min_walk=1, max_walk=20, eval_problems=256),
+        grpo=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=2e-3, lora_rank=8,
+                      min_walk=2, max_walk=10, prompts=256),
     ),
     "gpu": Profile(
         name="gpu",
@@ -75,6 +92,8 @@ PROFILES = {
         warmup=WarmupPlan(steps=1000, batch_size=64, lr=2e-3, min_walk=1, max_walk=16),
         moe_warmup=WarmupPlan(steps=1000, batch_size=64, lr=2e-3, min_walk=1, max_walk=16),
         task=TaskRange(min_walk=1, max_walk=28, eval_problems=1024),
+        grpo=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=1e-3, lora_rank=16,
+                      min_walk=8, max_walk=24, prompts=4096),
     ),
 }
 
