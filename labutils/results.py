@@ -89,3 +89,16 @@ def gpu_reference(chapter: str) -> dict | None:
     root = project_root() or Path.cwd()
     path = root / "results" / "gpu" / f"{chapter}.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def markdown_table(metrics: dict, keys: list[str] | None = None, notes: dict | None = None) -> str:
+    """A markdown table of metrics (all, or `keys` in order), with an optional column of notes."""
+    def cell(value):
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    keys = list(metrics) if keys is None else keys
+    if notes is None:
+        rows = [f"| {k} | {cell(metrics[k])} |" for k in keys]
+        return "| metric | this run |\n|---|---|\n" + "\n".join(rows)
+    rows = [f"| {k} | {cell(metrics[k])} | {notes.get(k, '')} |" for k in keys]
+    return "| metric | this run | the sources say |\n|---|---|---|\n" + "\n".join(rows)

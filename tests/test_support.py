@@ -74,3 +74,10 @@ def test_plots_save_next_to_results(tmp_path, monkeypatch):
 def test_env_report_names_the_device():
     report = env_report()
     assert report["device"] in ("cpu", "cuda") and report["torch"][0].isdigit()
+
+
+def test_markdown_table():
+    table = results.markdown_table({"a": 0.5, "b": True}, notes={"b": "False (source)"})
+    assert table.splitlines() == ["| metric | this run | the sources say |", "|---|---|---|",
+                                  "| a | 0.5 |  |", "| b | True | False (source) |"]
+    assert results.markdown_table({"a": 1}).splitlines()[-1] == "| a | 1 |"
