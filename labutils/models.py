@@ -199,7 +199,7 @@ def resolve_model(model_id: str | None, kind: str, profile: Profile, seed: int =
     """`model_id` when given (local directory or hub id), else the lab model's directory."""
     if model_id is None:
         return str(lab_model_dir(kind, profile, seed))
-    looks_local = model_id.startswith((".", "/", "~")) or os.sep in model_id.strip("/").split("/", 2)[-1]
+    looks_local = model_id.startswith((".", "/", "~"))  # hub ids look like "org/name"
     local = Path(model_id).expanduser()
     if local.exists():
         if not (local / "config.json").is_file():
