@@ -55,6 +55,16 @@ class GrpoPlan:
 
 
 @dataclass(frozen=True)
+class MismatchPlan:
+    """The offline mismatch measurement: how many sequences, of which lengths."""
+
+    sequences: int
+    min_len: int  # completion lengths are drawn uniformly in [min_len, max_len]
+    max_len: int
+    micro_batch: int  # the training engine's own batch size
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything a chapter may size by profile."""
 
@@ -65,6 +75,7 @@ class Profile:
     moe_warmup: WarmupPlan
     task: TaskRange
     grpo: GrpoPlan
+    mismatch: MismatchPlan
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -81,6 +92,7 @@ PROFILES = {
         task=TaskRange(min_walk=1, max_walk=20, eval_problems=256),
         grpo=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=10, prompts=256),
+        mismatch=MismatchPlan(sequences=128, min_len=32, max_len=1050, micro_batch=16),
     ),
     "gpu": Profile(
         name="gpu",
@@ -94,6 +106,7 @@ PROFILES = {
         task=TaskRange(min_walk=1, max_walk=28, eval_problems=1024),
         grpo=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=1e-3, lora_rank=16,
                       min_walk=8, max_walk=24, prompts=4096),
+        mismatch=MismatchPlan(sequences=1024, min_len=64, max_len=4000, micro_batch=64),
     ),
 }
 

@@ -1,0 +1,121 @@
+"""How far the training engine's π is from the inference engine's μ, on tokens μ sampled.
+
+With samples from μ and r = π/μ on each sampled token, the three classic estimators of the
+token-level KL[μ‖π] are (Schulman's k1, k2, k3):
+
+    k1 = -log r            unbiased, noisy, can be negative
+    k2 = (log r)^2 / 2     biased, low variance, always >= 0
+    k3 = (r - 1) - log r   unbiased and always >= 0
+
+With both distributions over the whole vocabulary the token KL is exact: Σ_v μ_v (log μ_v - log π_v).
+Summed over a sequence, log π(y) - log μ(y) = Σ_t log r_t is the sequence log-ratio, the quantity
+an importance weight is made of. Its mean is minus the sequence-level KL[μ‖π], so it drifts down
+linearly with length: the fitted slope is a bias per token, not a variance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def log_ratio(train_logprobs: torch.Tensor, infer_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token log π - log μ, zero where `mask` is off."""
+    return (train_logprobs - infer_logprobs) * mask
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    count = mask.sum()
+    if count == 0:
+        raise ValueError("the mask selects no tokens; there is nothing to average.")
+    return float((values * mask).sum() / count)
+
+
+def k1(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of -log r over real tokens."""
+    return _masked_mean(-ratio_log, mask)
+
+
+def k2(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of (log r)^2 / 2 over real tokens."""
+    return _masked_mean(ratio_log.square() / 2, mask)
+
+
+def k3(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean of (r - 1) - log r over real tokens (float64, so tiny values do not cancel to zero)."""
+    lr = ratio_log.double()
+    return _masked_mean(torch.expm1(lr) - lr, mask.double())
+
+
+def token_kl(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tensor:
+    """Exact KL[μ‖π] at every position from full-vocabulary log-probabilities [..., V] -> [...].
+
+    Entries μ gives zero probability (a banned token: log μ = -inf) contribute nothing.
+    """
+    mu = infer_vocab.double().exp()
+    gap = (infer_vocab.double() - train_vocab.double()).masked_fill(mu == 0, 0.0)
+    return (mu * gap).sum(-1)
+
+
+def sequence_log_ratio(ratio_log: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Σ_t (log π - log μ) per sequence."""
+    return (ratio_log * mask).sum(-1)
+
+
+@dataclass(frozen=True)
+class LengthFit:
+    """Least-squares line of a per-sequence value against length, the slope per 1,000 tokens."""
+
+    slope_per_1k: float
+    stderr_per_1k: float  # standard error of the slope: how much of it is noise
+    intercept: float
+    r2: float
+
+
+def length_fit(lengths: torch.Tensor, values: torch.Tensor) -> LengthFit:
+    """Fit values = intercept + slope * length; needs at least two distinct lengths."""
+    x, y = lengths.double(), values.double()
+    if x.numel() < 2 or bool((x == x[0]).all()):
+        raise ValueError("a length fit needs sequences of at least two different lengths.")
+    xc, yc = x - x.mean(), y - y.mean()
+    slope = float((xc * yc).sum() / xc.square().sum())
+    intercept = float(y.mean() - slope * x.mean())
+    total = float(yc.square().sum())
+    residual = float((y - intercept - slope * x).square().sum())
+    stderr = (residual / max(1, x.numel() - 2) / float(xc.square().sum())) ** 0.5
+    return LengthFit(slope * 1000, stderr * 1000, intercept, 1 - residual / total if total > 0 else 1.0)
+
+
+def by_length(lengths: torch.Tensor, values: torch.Tensor, edges: list[int]) -> list[dict]:
+    """Count, mean and standard deviation of `values` in each length bucket [edges[i], edges[i+1])."""
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (lengths >= lo) & (lengths < hi)
+        chunk = values[inside].double()
+        rows.append({"from": lo, "to": hi, "count": int(inside.sum()),
+                     "mean": float(chunk.mean()) if chunk.numel() else float("nan"),
+                     "std": float(chunk.std()) if chunk.numel() > 1 else float("nan")})
+    return rows
+
+
+def summary(rollout, train_logprobs: torch.Tensor, train_vocab: torch.Tensor | None = None) -> dict:
+    """Every measure of one (μ, π) pair: token estimators, exact KL, sequence log-ratios, length fit."""
+    mask = rollout.mask
+    lr = log_ratio(train_logprobs, rollout.logprobs, mask)
+    seq = sequence_log_ratio(lr, mask)
+    lengths = rollout.lengths
+    out = {"k1": k1(lr, mask), "k2": k2(lr, mask), "k3": k3(lr, mask),
+           "max_abs_token_log_ratio": float(lr.abs().max()),
+           "seq_log_ratio_mean": float(seq.mean()), "seq_log_ratio_std": float(seq.std()),
+           "tokens": int(mask.sum())}
+    if train_vocab is not None and rollout.vocab_logprobs is not None:
+        per_token = token_kl(rollout.vocab_logprobs, train_vocab) * mask
+        out["token_kl"] = float(per_token.sum() / mask.sum())
+        out["kl"] = float(per_token.sum(-1).mean())  # sequence-level KL[μ‖π], averaged over sequences
+    if not bool((lengths == lengths[0]).all()):
+        fit = length_fit(lengths, seq)
+        out.update(slope_per_1k=fit.slope_per_1k, slope_stderr_per_1k=fit.stderr_per_1k,
+                   intercept=fit.intercept, r2=fit.r2)
+        if "kl" in out:  # the line the sampled log-ratios scatter around: minus the summed exact KL
+            out["drift_slope_per_1k"] = length_fit(lengths, -per_token.sum(-1)).slope_per_1k
+    return out

@@ -1,0 +1,247 @@
+"""Two engines from the same weights: one samples (μ), one rescores what was sampled (π).
+
+The inference engine works like a serving stack: its own copy of the weights in P_inf, a KV
+cache, one new token per forward, and the sampled token's log-probability recorded in that
+same forward. The training engine works like a trainer: the weights in P_train, one
+teacher-forced forward over whole sequences, in micro-batches of its own size and order.
+Same weights, same maths; only the order and the precision of the arithmetic differ.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def engine_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """The torch dtype for `name` ("fp32", "bf16", "fp16"), checked to run on `device`."""
+    if name not in DTYPES:
+        raise ValueError(f"precision {name!r} is not an engine precision; choose one of {', '.join(DTYPES)}.")
+    dtype = DTYPES[name]
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'.")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
+            name_ = torch.cuda.get_device_name(torch.device(device))
+            raise RuntimeError(f"{name_} has no native bf16 arithmetic (it needs compute capability 8.0+); "
+                               "use fp16 or fp32 on this GPU.")
+    try:  # the one operation every engine needs: a matmul in this dtype on this device
+        probe = torch.ones(2, 2, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+    except RuntimeError as err:
+        raise RuntimeError(f"{name} matrix multiplication does not run on {device!r} ({err}); "
+                           "choose another precision for this device.") from None
+    return dtype
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 on each row's first real token (padding on either side)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@dataclass
+class Rollout:
+    """Sampled completions with the inference engine's log-probabilities of them.
+
+    `completion_ids` is right-padded with the pad id; `mask` marks real tokens (EOS included);
+    `logprobs` is log μ of each sampled token; `vocab_logprobs` (when kept) is log μ of every
+    vocabulary entry at each position, float32. Where a row banned EOS (`min_new_tokens`, like a
+    serving stack's `min_tokens`), the ban is part of the policy and the training engine applies it too.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: torch.Tensor
+    mask: torch.Tensor
+    logprobs: torch.Tensor
+    vocab_logprobs: torch.Tensor | None = None
+    min_new_tokens: torch.Tensor | None = None  # per row: EOS was banned before this many tokens
+    seconds: float = 0.0
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(-1)
+
+    def completions(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.completion_ids, self.lengths)]
+
+    def token_logprobs(self) -> list[list[float]]:
+        return [row[:n].tolist() for row, n in zip(self.logprobs, self.lengths)]
+
+
+class InferenceEngine:
+    """A private copy of the policy in `dtype` that samples with a KV cache."""
+
+    def __init__(self, model, dtype: torch.dtype, device: str = "cpu"):
+        self.model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        self.dtype, self.device = dtype, device
+        config = self.model.config
+        self.pad_id, self.eos_id = config.pad_token_id, config.eos_token_id
+
+    @torch.no_grad()
+    def sync(self, model) -> None:
+        """Load the trainer's current weights, cast to this engine's dtype (a weight sync)."""
+        state = {k: v.detach().to(self.dtype) for k, v in _plain_state(model).items()}
+        self.model.load_state_dict(state, strict=True)
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]], max_new_tokens, min_new_tokens=0,
+               temperature: float = 1.0, generator: torch.Generator | None = None,
+               keep_vocab: bool = False) -> Rollout:
+        """Sample one completion per prompt, recording log μ of each token in the sampling forward.
+
+        `max_new_tokens` and `min_new_tokens` are an int or one int per prompt; EOS cannot be
+        sampled before a row's minimum, and a row stops at its maximum.
+        """
+        from time import perf_counter
+
+        from transformers import DynamicCache
+
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be positive; sampling needs a distribution.")
+        start = perf_counter()
+        batch, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+        budget = _per_row(max_new_tokens, batch, "max_new_tokens").to(self.device)
+        floor = _per_row(min_new_tokens, batch, "min_new_tokens").to(self.device)
+        if bool((floor > budget).any()) or int(budget.min()) < 1:
+            raise ValueError("every row needs 1 <= min_new_tokens <= max_new_tokens.")
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompt_ids):  # left padding: every row's next token is at the end
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = _positions(mask)
+        steps = int(budget.max())
+        completion = torch.full((batch, steps), self.pad_id, dtype=torch.long, device=self.device)
+        alive = torch.zeros((batch, steps), dtype=torch.bool, device=self.device)  # not `!= pad`: pad can be sampled
+        logps = torch.zeros((batch, steps), device=self.device)
+        vocab = torch.zeros((batch, steps, self.model.config.vocab_size), device=self.device) if keep_vocab else None
+        rows = torch.arange(batch, device=self.device)  # original index of each row still generating
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         cache=cache, use_cache=True, logits_to_keep=1)
+        for step in range(steps):
+            # the serving stack's sampler: logits upcast to fp32, EOS banned below the floor, tempered
+            logits = _ban_eos(out.logits[:, -1].float(), self.eos_id, step < floor[rows])
+            step_logp = torch.log_softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(step_logp.exp(), 1, generator=generator).squeeze(-1)
+            completion[rows, step], alive[rows, step] = token, True
+            logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
+            if keep_vocab:
+                vocab[rows, step] = step_logp
+            going = (token != self.eos_id) & (step + 1 < budget[rows])
+            if not bool(going.any()):
+                break
+            if not bool(going.all()):  # finished rows leave the batch, as in continuous batching
+                keep = going.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, token, mask, positions = rows[keep], token[keep], mask[keep], positions[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+            positions = positions[:, -1:] + 1
+            out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True)
+        used = int(alive.any(0).sum())
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion[:, :used].cpu(),
+                       mask=alive[:, :used].cpu(), logprobs=logps[:, :used].cpu(),
+                       vocab_logprobs=vocab[:, :used].cpu() if keep_vocab else None,
+                       min_new_tokens=floor.cpu(), seconds=perf_counter() - start)
+
+
+def _per_row(value, batch: int, name: str) -> torch.Tensor:
+    values = torch.as_tensor(value, dtype=torch.long)
+    if values.ndim == 0:
+        return values.repeat(batch)
+    if values.shape != (batch,):
+        raise ValueError(f"{name} must be an int or one int per prompt ({batch}), got shape {tuple(values.shape)}.")
+    return values
+
+
+def _ban_eos(logits: torch.Tensor, eos_id: int, banned: torch.Tensor) -> torch.Tensor:
+    """Logits with EOS at -inf where `banned` (broadcast over the leading dimensions)."""
+    if not bool(banned.any()):
+        return logits
+    eos = torch.zeros_like(logits, dtype=torch.bool)
+    eos[..., eos_id] = True
+    return logits.masked_fill(eos & banned[..., None], float("-inf"))
+
+
+def _plain_state(model) -> dict:
+    """A model's weights with the names of the bare transformers model (peft and DDP wrappers removed)."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "merge_and_unload"):
+        raise ValueError("sync() takes a plain transformers model; merge peft adapters first "
+                         "(model.merge_and_unload()) or sync from the base model.")
+    return inner.state_dict()
+
+
+class TrainingEngine:
+    """The policy in `dtype`, scoring whole sequences with one teacher-forced forward per micro-batch."""
+
+    def __init__(self, model, dtype: torch.dtype, device: str = "cpu", micro_batch: int = 16):
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch={micro_batch} must be a positive number of sequences.")
+        self.model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        self.dtype, self.device, self.micro_batch = dtype, device, micro_batch
+        self.pad_id, self.eos_id = self.model.config.pad_token_id, self.model.config.eos_token_id
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout, temperature: float = 1.0, keep_vocab: bool = False,
+              order: torch.Tensor | None = None):
+        """log π of every sampled token (and of the whole vocabulary when `keep_vocab`), float32.
+
+        `order` permutes which sequences share a micro-batch, as a trainer's own batching would.
+        Returns (logprobs [B, T], vocab_logprobs [B, T, V] or None), aligned with the rollout.
+        """
+        batch, steps = rollout.completion_ids.shape
+        order = torch.arange(batch) if order is None else order
+        logprobs = torch.zeros(batch, steps)
+        vocab = None
+        for start in range(0, batch, self.micro_batch):
+            rows = order[start:start + self.micro_batch]
+            ids, mask, offsets = pack(rollout, rows, self.pad_id)
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                position_ids=_positions(mask).to(self.device)).logits
+            logits = logits.float().cpu()
+            for i, row in enumerate(rows.tolist()):  # the positions that predicted each completion token
+                span = logits[i, offsets[i] - 1: offsets[i] - 1 + steps]
+                if rollout.min_new_tokens is not None:
+                    span = _ban_eos(span, self.eos_id, torch.arange(steps) < rollout.min_new_tokens[row])
+                span = torch.log_softmax(span / temperature, dim=-1)
+                logprobs[row] = span.gather(-1, rollout.completion_ids[row].clamp(min=0)[:, None]).squeeze(-1)
+                if keep_vocab:
+                    if vocab is None:
+                        vocab = torch.zeros(batch, steps, span.shape[-1])
+                    vocab[row] = span
+        logprobs = logprobs * rollout.mask
+        return logprobs, vocab
+
+
+def pack(rollout: Rollout, rows: torch.Tensor, pad_id: int):
+    """Right-padded prompt+completion for `rows`; offsets = where each completion starts."""
+    steps = rollout.completion_ids.shape[1]
+    prompts = [rollout.prompt_ids[r] for r in rows.tolist()]
+    width = max(len(p) for p in prompts) + steps
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, (r, prompt) in enumerate(zip(rows.tolist(), prompts)):
+        ids[i, :len(prompt)] = torch.tensor(prompt)
+        ids[i, len(prompt):len(prompt) + steps] = rollout.completion_ids[r]
+        mask[i, :len(prompt) + int(rollout.mask[r].sum())] = 1
+    return ids, mask, [len(p) for p in prompts]
+
+
+@torch.no_grad()
+def plain_forward_seconds(model, rollout: Rollout, micro_batch: int, device: str = "cpu") -> float:
+    """Seconds for bare forwards over the same sequences: the floor rescoring is compared against."""
+    from time import perf_counter
+
+    start = perf_counter()
+    for first in range(0, len(rollout.prompt_ids), micro_batch):
+        rows = torch.arange(first, min(first + micro_batch, len(rollout.prompt_ids)))
+        ids, mask, _ = pack(rollout, rows, model.config.pad_token_id)
+        model(input_ids=ids.to(device), attention_mask=mask.to(device))
+    return perf_counter() - start
