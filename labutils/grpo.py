@@ -6,14 +6,14 @@ import random
 import torch
 
 from . import models, task
-from .profiles import Profile
+from .profiles import GrpoPlan, Profile
 
 
-def task_dataset(profile: Profile, seed: int = 0, count: int | None = None):
+def task_dataset(profile: Profile, seed: int = 0, count: int | None = None, plan: GrpoPlan | None = None):
     """A `datasets.Dataset` of prompts (column `prompt`) and true answers (column `answer`)."""
     from datasets import Dataset
 
-    plan = profile.grpo
+    plan = plan or profile.grpo
     problems = task.sample_problems(random.Random(20_000 + seed), count or plan.prompts,
                                     plan.min_walk, plan.max_walk)
     return Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
@@ -24,11 +24,12 @@ def exact_match_reward(completions: list[str], answer: list[str], **_) -> list[f
     return [task.exact_match(c, a) for c, a in zip(completions, answer)]
 
 
-def config(profile: Profile, output_dir: str, seed: int = 0, steps: int | None = None, **overrides):
-    """A GRPOConfig sized by the profile; `overrides` set precision flags and the rest."""
+def config(profile: Profile, output_dir: str, seed: int = 0, steps: int | None = None,
+           plan: GrpoPlan | None = None, **overrides):
+    """A GRPOConfig sized by the profile (or `plan`); `overrides` set precision flags and the rest."""
     from trl import GRPOConfig
 
-    plan = profile.grpo
+    plan = plan or profile.grpo
     settings = dict(
         output_dir=output_dir, max_steps=steps or plan.steps, learning_rate=plan.lr,
         per_device_train_batch_size=plan.batch_size, num_generations=plan.num_generations,
@@ -36,6 +37,7 @@ def config(profile: Profile, output_dir: str, seed: int = 0, steps: int | None =
         beta=0.0, logging_steps=1, report_to="none", save_strategy="no", seed=seed, data_seed=seed,
         disable_tqdm=True, dataloader_num_workers=0,
         bf16=False, fp16=False,  # trl defaults to bf16; every chapter states its precision explicitly
+        vllm_importance_sampling_correction=False,  # on by default in trl; chapters turn it on by name
         use_cpu=not torch.cuda.is_available(),
     )
     settings.update(overrides)
@@ -104,3 +106,128 @@ def train_measured(built, device: str, last: int = 4) -> dict:
         "final_reward": sum(rewards[-last:]) / max(1, len(rewards[-last:])), "reward_curve": rewards,
         "grad_norm_curve": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
     }
+
+
+class EngineRollout:
+    """A trl `rollout_func`: completions sampled by an InferenceEngine, weights synced every step.
+
+    It returns the sampled tokens' log μ, which trl carries as `sampling_per_token_logps`.
+    """
+
+    def __init__(self, engine, max_new_tokens: int, temperature: float = 1.0, seed: int = 0):
+        self.engine, self.max_new_tokens, self.temperature = engine, max_new_tokens, temperature
+        self.generator = torch.Generator(engine.device).manual_seed(seed)
+        self.synced_step = None
+        self.samples: list = []  # every Rollout, for the chapter to inspect
+
+    def __call__(self, prompts: list[str], trainer) -> dict:
+        if trainer.state.global_step != self.synced_step:  # the weight sync after each optimizer step
+            self.engine.sync(trainer.accelerator.unwrap_model(trainer.model))
+            self.synced_step = trainer.state.global_step
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        out = self.engine.sample(prompt_ids, self.max_new_tokens, temperature=self.temperature,
+                                 generator=self.generator)
+        self.samples.append(out)
+        return {"prompt_ids": prompt_ids, "completion_ids": out.completions(), "logprobs": out.token_logprobs()}
+
+
+def _engine_trainer_class():
+    from trl import GRPOTrainer
+
+    class EngineGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer with a training engine in `train_dtype` and trl's IS options applied to rollout_func log-probs.
+
+        The training engine's precision is autocast around every loss forward (trainer's public
+        `autocast_smart_context_manager` hook): weights and optimizer stay fp32, the forward runs in
+        `train_dtype`, as under FSDP/DeepSpeed mixed precision. trl applies its importance-sampling
+        correction (`vllm_importance_sampling_*`) only to vLLM rollouts; here the same options are
+        applied to the inference engine's log-probs by weighting the advantages per token.
+        """
+
+        def __init__(self, *args, train_dtype: torch.dtype = torch.float32, **kwargs):
+            self.train_dtype = train_dtype
+            super().__init__(*args, **kwargs)
+            self.logits_dtypes: set[str] = set()
+            self.model.get_decoder().register_forward_hook(self._note_logits_dtype)
+
+        def _note_logits_dtype(self, module, inputs, output):
+            """Record the dtype trl's fused LM head computes the loss's logits in.
+
+            trl's chunked log-prob kernel multiplies the backbone's last hidden state by the LM head
+            in the autocast dtype when autocast is on, else in the hidden state's own dtype.
+            """
+            if module.training and torch.is_grad_enabled():  # the forward whose logits enter the loss
+                kind = output.last_hidden_state.device.type
+                dtype = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
+                         else output.last_hidden_state.dtype)
+                self.logits_dtypes.add(str(dtype).removeprefix("torch."))
+
+        def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+            if self.train_dtype == torch.float32:
+                return super().autocast_smart_context_manager(cache_enabled)
+            return torch.autocast(self.accelerator.device.type, dtype=self.train_dtype, cache_enabled=cache_enabled)
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            mu = output.get("sampling_per_token_logps")
+            if mu is None:
+                return output
+            ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            mask = output["completion_mask"].float()
+            with torch.no_grad(), self.compute_loss_context_manager():  # π as the training engine sees it
+                pi, _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, ids, attention, output["completion_ids"].size(1), batch_size=ids.size(0))
+            from . import mismatch
+
+            lr = mismatch.log_ratio(pi.float(), mu.float(), mask)
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["mismatch/k3"].append(mismatch.k3(lr, mask))
+            self._metrics[mode]["mismatch/max_abs_log_ratio"].append(float(lr.abs().max()))
+            if self.args.vllm_importance_sampling_correction:
+                weight = importance_weights(lr, mask, self.args.vllm_importance_sampling_mode,
+                                            self.args.vllm_importance_sampling_clip_min,
+                                            self.args.vllm_importance_sampling_clip_max)
+                self._metrics[mode]["mismatch/is_weight_mean"].append(float((weight * mask).sum() / mask.sum()))
+                advantages = output["advantages"]
+                output["advantages"] = (advantages[:, None] if advantages.dim() == 1 else advantages) * weight
+            return output
+
+    return EngineGRPOTrainer
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
+                       clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """Per-token weights π/μ with trl's modes: token_/sequence_ truncate (clip) or mask (zero outside).
+
+    Weights are detached: they rescale each token's share of the gradient, as in TIS and MIS.
+    """
+    level, rule = mode.split("_")
+    ratio = log_ratio.sum(-1, keepdim=True) if level == "sequence" else log_ratio
+    ratio = ratio.detach().exp()
+    low = clip_min if clip_min is not None else (0.0 if rule == "truncate" else -float("inf"))
+    high = clip_max if clip_max is not None else float("inf")
+    if rule == "truncate":
+        ratio = ratio.clamp(min=low, max=high)
+    elif rule == "mask":
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    else:
+        raise ValueError(f"importance-sampling mode {mode!r} is not one of trl's: "
+                         "token_truncate, token_mask, sequence_truncate, sequence_mask.")
+    return ratio.expand_as(log_ratio) * mask
+
+
+def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train_dtype: torch.dtype,
+                   seed: int = 0, plan: GrpoPlan | None = None):
+    """An EngineGRPOTrainer on the task whose completions come from `rollout_func`, quiet."""
+    import os
+
+    from transformers.trainer_callback import PrinterCallback
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in trl
+    built = _engine_trainer_class()(model=model, reward_funcs=exact_match_reward, args=args,
+                                    train_dataset=task_dataset(profile, seed, plan=plan),
+                                    processing_class=tokenizer, rollout_func=rollout_func, train_dtype=train_dtype)
+    built.remove_callback(PrinterCallback)
+    return built

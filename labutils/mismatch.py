@@ -98,6 +98,15 @@ def by_length(lengths: torch.Tensor, values: torch.Tensor, edges: list[int]) -> 
     return rows
 
 
+def by_position(per_token: torch.Tensor, mask: torch.Tensor, edges: list[int]) -> list[float]:
+    """Mean of a per-token value over real tokens at positions [edges[i], edges[i+1]) of the completion."""
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = mask[:, lo:hi]
+        out.append(float((per_token[:, lo:hi] * inside).sum() / inside.sum()) if inside.any() else float("nan"))
+    return out
+
+
 def summary(rollout, train_logprobs: torch.Tensor, train_vocab: torch.Tensor | None = None) -> dict:
     """Every measure of one (μ, π) pair: token estimators, exact KL, sequence log-ratios, length fit."""
     mask = rollout.mask

@@ -74,8 +74,9 @@ class Profile:
     warmup: WarmupPlan
     moe_warmup: WarmupPlan
     task: TaskRange
-    grpo: GrpoPlan
+    grpo: GrpoPlan  # QLoRA runs (LoRA learning rate)
     mismatch: MismatchPlan
+    rl: GrpoPlan  # full fine-tuning runs that compare engine precisions
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -93,6 +94,8 @@ PROFILES = {
         grpo=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=10, prompts=256),
         mismatch=MismatchPlan(sequences=128, min_len=32, max_len=1050, micro_batch=16),
+        rl=GrpoPlan(steps=20, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
+                    min_walk=6, max_walk=14, prompts=256),
     ),
     "gpu": Profile(
         name="gpu",
@@ -107,6 +110,8 @@ PROFILES = {
         grpo=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=1e-3, lora_rank=16,
                       min_walk=8, max_walk=24, prompts=4096),
         mismatch=MismatchPlan(sequences=1024, min_len=64, max_len=4000, micro_batch=64),
+        rl=GrpoPlan(steps=300, batch_size=64, num_generations=8, lr=1e-5, lora_rank=0,
+                    min_walk=8, max_walk=24, prompts=4096),
     ),
 }
 

@@ -16,6 +16,12 @@ REQUIRED_METRICS = {
     + [f"preflight.fix_findings.{fix}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")]
     + [f"fix.{fix}.{m}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")
        for m in ("peak_mem_mb", "it_per_s", "tokens_per_s", "final_reward")],
+    "04_mismatch": ["max_len", "ratio.kl_bf16_over_fp16"]
+    + [f"{m}.{p}" for m in ("kl", "k3", "slope_per_1k", "token_kl") for p in ("fp32", "bf16", "fp16")]
+    + [f"grid.{t}_{i}.token_kl" for t in ("fp32", "bf16", "fp16") for i in ("fp32", "bf16", "fp16")],
+    "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp32_fp32",
+                                                      "bf16_bf16_tis", "bf16_bf16_mis")
+                          for m in ("final_reward", "mean_kl", "max_grad_norm", "tokens_per_s")],
 }
 
 
@@ -56,3 +62,20 @@ def test_qlora_crash_audit_and_fixes():
         assert metrics["crash.error"] == "cpu: no scaler" and metrics["kernel.cpu.bfloat16"] is True
     else:
         assert "not implemented for 'BFloat16'" in metrics["crash.error"]
+
+
+def test_mismatch_orders_the_precisions():
+    metrics = json.loads((pipeline.BUILD / "results" / "04_mismatch.json").read_text())["metrics"]
+    assert metrics["max_len"] >= 1000
+    assert metrics["token_kl.fp32"] < 1e-8 < metrics["token_kl.fp16"] < metrics["token_kl.bf16"]
+    assert metrics["ratio.kl_bf16_over_fp16"] > 4  # three more mantissa bits: errors ~8x smaller
+    assert metrics["perf.rescore_over_forward_seconds"] < 3  # rescoring is one forward, not one per token
+
+
+def test_grpo_engines_run_in_their_precisions():
+    metrics = json.loads((pipeline.BUILD / "results" / "05_grpo_precision.json").read_text())["metrics"]
+    for combo, dtype in [("bf16_bf16", "bfloat16"), ("fp16_fp16", "float16"), ("fp32_fp32", "float32")]:
+        assert metrics[f"combo.{combo}.logits_dtype"] == dtype  # the training engine is really that precision
+    assert metrics["combo.fp32_fp32.mean_kl"] < metrics["combo.fp16_fp16.mean_kl"] < metrics["combo.bf16_bf16.mean_kl"]
+    assert metrics["combo.bf16_fp16.mean_kl"] > metrics["combo.fp16_fp16.mean_kl"]
+    assert 0 < metrics["combo.bf16_bf16_mis.is_weight_mean"] <= 1.0 + 1e-3

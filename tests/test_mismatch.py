@@ -60,3 +60,9 @@ def test_by_length_buckets():
 def test_empty_mask_is_a_clear_error():
     with pytest.raises(ValueError, match="no tokens"):
         mismatch.k1(torch.zeros(1, 2), torch.zeros(1, 2))
+
+
+def test_by_position_averages_real_tokens_per_span():
+    values = torch.tensor([[1.0, 2.0, 3.0, 4.0], [3.0, 4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    assert mismatch.by_position(values, mask, [0, 2, 4]) == pytest.approx([2.5, 3.5])
