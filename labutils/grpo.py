@@ -231,3 +231,31 @@ def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train
                                     processing_class=tokenizer, rollout_func=rollout_func, train_dtype=train_dtype)
     built.remove_callback(PrinterCallback)
     return built
+
+
+def routing_probe(prompt_ids: list[list[int]], lengths: torch.Tensor, dtype: torch.dtype, every: int,
+                  device: str = "cpu", seed: int = 0):
+    """A TrainerCallback that, every `every` steps, samples a fixed probe set with fresh engines at
+    `dtype` from the current weights and records the routing flip rate and the token KL."""
+    from transformers import TrainerCallback
+
+    from . import mismatch, moe, rollout
+
+    class RoutingProbe(TrainerCallback):
+        def __init__(self):
+            self.history: list[dict] = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step % every and state.global_step != state.max_steps:
+                return
+            was_training = model.training
+            sampled = rollout.InferenceEngine(model, dtype, device).sample(
+                prompt_ids, lengths, lengths, keep_vocab=True, keep_experts=True,
+                generator=torch.Generator(device).manual_seed(seed))
+            scored = rollout.TrainingEngine(model, dtype, device).score(sampled, keep_vocab=True, keep_experts=True)
+            self.history.append({"step": state.global_step,
+                                 "flip_rate": moe.flip_rate(sampled.experts, scored.experts, sampled.mask),
+                                 "token_kl": mismatch.summary(sampled, scored.logprobs, scored.vocab)["token_kl"]})
+            model.train(was_training)
+
+    return RoutingProbe()

@@ -8,10 +8,13 @@ Same weights, same maths; only the order and the precision of the arithmetic dif
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+from . import moe
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +61,7 @@ class Rollout:
     mask: torch.Tensor
     logprobs: torch.Tensor
     vocab_logprobs: torch.Tensor | None = None
+    experts: torch.Tensor | None = None  # [B, T, layers, k] experts chosen for the input predicting each token
     min_new_tokens: torch.Tensor | None = None  # per row: EOS was banned before this many tokens
     seconds: float = 0.0
 
@@ -76,7 +80,7 @@ class InferenceEngine:
     """A private copy of the policy in `dtype` that samples with a KV cache."""
 
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu"):
-        self.model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        self.model = _fresh_copy(model, dtype, device)
         self.dtype, self.device = dtype, device
         config = self.model.config
         self.pad_id, self.eos_id = config.pad_token_id, config.eos_token_id
@@ -90,11 +94,12 @@ class InferenceEngine:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], max_new_tokens, min_new_tokens=0,
                temperature: float = 1.0, generator: torch.Generator | None = None,
-               keep_vocab: bool = False) -> Rollout:
+               keep_vocab: bool = False, keep_experts: bool = False) -> Rollout:
         """Sample one completion per prompt, recording log μ of each token in the sampling forward.
 
         `max_new_tokens` and `min_new_tokens` are an int or one int per prompt; EOS cannot be
-        sampled before a row's minimum, and a row stops at its maximum.
+        sampled before a row's minimum, and a row stops at its maximum. `keep_experts` (MoE
+        models) records the experts each layer chose for the input that predicted each token.
         """
         from time import perf_counter
 
@@ -122,8 +127,28 @@ class InferenceEngine:
         vocab = torch.zeros((batch, steps, self.model.config.vocab_size), device=self.device) if keep_vocab else None
         rows = torch.arange(batch, device=self.device)  # original index of each row still generating
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                         cache=cache, use_cache=True, logits_to_keep=1)
+        recorder = moe.RouterRecorder(self.model) if keep_experts else contextlib.nullcontext()
+        with recorder:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             cache=cache, use_cache=True, logits_to_keep=1)
+            experts = None
+            if keep_experts:  # routing of the last prompt token, which predicts completion token 0
+                experts = torch.full((batch, steps, len(recorder.latest), recorder.modules[0].top_k), -1,
+                                     dtype=torch.long, device=self.device)
+                for layer, chosen in enumerate(recorder.latest):
+                    experts[:, 0, layer] = chosen.view(batch, width, -1)[:, -1]
+            self._decode(out, steps, budget, floor, rows, mask, positions, cache, temperature, generator,
+                         completion, alive, logps, vocab, experts, recorder)
+        used = int(alive.any(0).sum())
+        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion[:, :used].cpu(),
+                       mask=alive[:, :used].cpu(), logprobs=logps[:, :used].cpu(),
+                       vocab_logprobs=vocab[:, :used].cpu() if keep_vocab else None,
+                       experts=experts[:, :used].cpu() if keep_experts else None,
+                       min_new_tokens=floor.cpu(), seconds=perf_counter() - start)
+
+    def _decode(self, out, steps, budget, floor, rows, mask, positions, cache, temperature, generator,
+                completion, alive, logps, vocab, experts, recorder):
+        """The token-by-token loop; writes into the preallocated output tensors."""
         for step in range(steps):
             # the serving stack's sampler: logits upcast to fp32, EOS banned below the floor, tempered
             logits = _ban_eos(out.logits[:, -1].float(), self.eos_id, step < floor[rows])
@@ -131,7 +156,7 @@ class InferenceEngine:
             token = torch.multinomial(step_logp.exp(), 1, generator=generator).squeeze(-1)
             completion[rows, step], alive[rows, step] = token, True
             logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
-            if keep_vocab:
+            if vocab is not None:
                 vocab[rows, step] = step_logp
             going = (token != self.eos_id) & (step + 1 < budget[rows])
             if not bool(going.any()):
@@ -144,11 +169,9 @@ class InferenceEngine:
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                              cache=cache, use_cache=True)
-        used = int(alive.any(0).sum())
-        return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion[:, :used].cpu(),
-                       mask=alive[:, :used].cpu(), logprobs=logps[:, :used].cpu(),
-                       vocab_logprobs=vocab[:, :used].cpu() if keep_vocab else None,
-                       min_new_tokens=floor.cpu(), seconds=perf_counter() - start)
+            if experts is not None:  # the routing of token `step`, which predicts token `step + 1`
+                for layer, chosen in enumerate(recorder.latest):
+                    experts[rows, step + 1, layer] = chosen
 
 
 def _per_row(value, batch: int, name: str) -> torch.Tensor:
@@ -169,6 +192,14 @@ def _ban_eos(logits: torch.Tensor, eos_id: int, banned: torch.Tensor) -> torch.T
     return logits.masked_fill(eos & banned[..., None], float("-inf"))
 
 
+def _fresh_copy(model, dtype: torch.dtype, device: str):
+    """The same weights in a new model object: no hooks, wrappers or trainer state come along."""
+    inner = getattr(model, "module", model)
+    clone = type(inner)(inner.config)
+    clone.load_state_dict(_plain_state(inner))
+    return clone.to(device=device, dtype=dtype).eval()
+
+
 def _plain_state(model) -> dict:
     """A model's weights with the names of the bare transformers model (peft and DDP wrappers removed)."""
     inner = getattr(model, "module", model)
@@ -184,40 +215,55 @@ class TrainingEngine:
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu", micro_batch: int = 16):
         if micro_batch < 1:
             raise ValueError(f"micro_batch={micro_batch} must be a positive number of sequences.")
-        self.model = copy.deepcopy(model).to(device=device, dtype=dtype).eval()
+        self.model = _fresh_copy(model, dtype, device)
         self.dtype, self.device, self.micro_batch = dtype, device, micro_batch
         self.pad_id, self.eos_id = self.model.config.pad_token_id, self.model.config.eos_token_id
 
     @torch.no_grad()
     def score(self, rollout: Rollout, temperature: float = 1.0, keep_vocab: bool = False,
-              order: torch.Tensor | None = None):
+              order: torch.Tensor | None = None, keep_experts: bool = False) -> "Scored":
         """log π of every sampled token (and of the whole vocabulary when `keep_vocab`), float32.
 
         `order` permutes which sequences share a micro-batch, as a trainer's own batching would.
-        Returns (logprobs [B, T], vocab_logprobs [B, T, V] or None), aligned with the rollout.
+        `keep_experts` (MoE models) records each layer's experts for the input predicting each token.
         """
         batch, steps = rollout.completion_ids.shape
         order = torch.arange(batch) if order is None else order
         logprobs = torch.zeros(batch, steps)
-        vocab = None
-        for start in range(0, batch, self.micro_batch):
-            rows = order[start:start + self.micro_batch]
-            ids, mask, offsets = pack(rollout, rows, self.pad_id)
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=_positions(mask).to(self.device)).logits
-            logits = logits.float().cpu()
-            for i, row in enumerate(rows.tolist()):  # the positions that predicted each completion token
-                span = logits[i, offsets[i] - 1: offsets[i] - 1 + steps]
-                if rollout.min_new_tokens is not None:
-                    span = _ban_eos(span, self.eos_id, torch.arange(steps) < rollout.min_new_tokens[row])
-                span = torch.log_softmax(span / temperature, dim=-1)
-                logprobs[row] = span.gather(-1, rollout.completion_ids[row].clamp(min=0)[:, None]).squeeze(-1)
-                if keep_vocab:
-                    if vocab is None:
-                        vocab = torch.zeros(batch, steps, span.shape[-1])
-                    vocab[row] = span
-        logprobs = logprobs * rollout.mask
-        return logprobs, vocab
+        vocab = experts = None
+        recorder = moe.RouterRecorder(self.model) if keep_experts else contextlib.nullcontext()
+        with recorder:
+            for start in range(0, batch, self.micro_batch):
+                rows = order[start:start + self.micro_batch]
+                ids, mask, offsets = pack(rollout, rows, self.pad_id)
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                    position_ids=_positions(mask).to(self.device)).logits.float().cpu()
+                if keep_experts:
+                    chosen = torch.stack([c.view(len(rows), ids.shape[1], -1) for c in recorder.latest], dim=2).cpu()
+                    if experts is None:
+                        experts = torch.full((batch, steps, *chosen.shape[2:]), -1, dtype=torch.long)
+                for i, row in enumerate(rows.tolist()):  # the positions that predicted each completion token
+                    where = slice(offsets[i] - 1, offsets[i] - 1 + steps)
+                    span = logits[i, where]
+                    if rollout.min_new_tokens is not None:
+                        span = _ban_eos(span, self.eos_id, torch.arange(steps) < rollout.min_new_tokens[row])
+                    span = torch.log_softmax(span / temperature, dim=-1)
+                    logprobs[row] = span.gather(-1, rollout.completion_ids[row].clamp(min=0)[:, None]).squeeze(-1)
+                    if keep_vocab:
+                        if vocab is None:
+                            vocab = torch.zeros(batch, steps, span.shape[-1])
+                        vocab[row] = span
+                    if keep_experts:
+                        experts[row] = chosen[i, where]
+        return Scored(logprobs * rollout.mask, vocab, experts)
+
+
+class Scored(NamedTuple):
+    """The training engine's view of a rollout: log π per sampled token, per vocabulary entry, experts."""
+
+    logprobs: torch.Tensor
+    vocab: torch.Tensor | None = None
+    experts: torch.Tensor | None = None
 
 
 def pack(rollout: Rollout, rows: torch.Tensor, pad_id: int):

@@ -22,6 +22,9 @@ REQUIRED_METRICS = {
     "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp32_fp32",
                                                       "bf16_bf16_tis", "bf16_bf16_mis")
                           for m in ("final_reward", "mean_kl", "max_grad_norm", "tokens_per_s")],
+    "06_moe": [f"flip_rate.{p}" for p in ("fp32", "bf16", "fp16")] + [f"kl.{p}" for p in ("fp32", "bf16", "fp16")]
+    + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
+    + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
 }
 
 
@@ -79,3 +82,11 @@ def test_grpo_engines_run_in_their_precisions():
     assert metrics["combo.fp32_fp32.mean_kl"] < metrics["combo.fp16_fp16.mean_kl"] < metrics["combo.bf16_bf16.mean_kl"]
     assert metrics["combo.bf16_fp16.mean_kl"] > metrics["combo.fp16_fp16.mean_kl"]
     assert 0 < metrics["combo.bf16_bf16_mis.is_weight_mean"] <= 1.0 + 1e-3
+
+
+def test_moe_routing_flips_follow_precision():
+    metrics = json.loads((pipeline.BUILD / "results" / "06_moe.json").read_text())["metrics"]
+    assert metrics["flip_rate.fp32"] == 0.0
+    assert 0 < metrics["flip_rate.fp16"] < metrics["flip_rate.bf16"] < 0.05
+    assert metrics["source.expert_choice_precision_ignored"] is True
+    assert metrics["bf16.abs_log_ratio_flipped"] > metrics["bf16.abs_log_ratio_unflipped"]

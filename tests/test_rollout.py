@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from labutils import mismatch, models, rollout, task
+from labutils import mismatch, models, moe, rollout, task
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def test_fp32_engines_agree_and_lengths_follow_the_budget(lab):
     assert out.lengths.tolist() == budget.tolist()
     assert torch.allclose(out.vocab_logprobs.exp().sum(-1)[out.mask], torch.ones(int(out.mask.sum())), atol=1e-5)
     scorer = rollout.TrainingEngine(model, torch.float32, micro_batch=3)
-    logprobs, vocab = scorer.score(out, keep_vocab=True, order=torch.tensor([2, 0, 3, 1]))
+    logprobs, vocab, _ = scorer.score(out, keep_vocab=True, order=torch.tensor([2, 0, 3, 1]))
     assert (logprobs - out.logprobs)[out.mask].abs().max() < 1e-4
     assert mismatch.summary(out, logprobs, vocab)["token_kl"] < 1e-8
 
@@ -33,7 +33,7 @@ def test_bf16_engines_disagree_more_than_fp32(lab):
     gaps = {}
     for dtype in (torch.float32, torch.bfloat16):
         out = rollout.InferenceEngine(model, dtype).sample(prompts, 40, 40, generator=torch.Generator().manual_seed(1))
-        logprobs, _ = rollout.TrainingEngine(model, dtype).score(out)
+        logprobs = rollout.TrainingEngine(model, dtype).score(out).logprobs
         gaps[dtype] = float((logprobs - out.logprobs)[out.mask].abs().mean())
     assert gaps[torch.bfloat16] > 10 * gaps[torch.float32]
 
@@ -62,3 +62,32 @@ def test_bad_precisions_and_budgets_are_clear_errors(lab):
         rollout.engine_dtype("fp8")
     with pytest.raises(ValueError, match="min_new_tokens <= max_new_tokens"):
         rollout.InferenceEngine(model, torch.float32).sample(_prompts(tokenizer, [1]), 5, 6)
+
+
+def test_moe_routing_is_recorded_identically_by_both_fp32_engines(tiny_profile, lab_cache):
+    model, tokenizer = models.load(None, "moe", tiny_profile, seed=0)
+    prompts = _prompts(tokenizer, [1, 4, 30])
+    out = rollout.InferenceEngine(model, torch.float32).sample(prompts, 25, 25, keep_experts=True,
+                                                               generator=torch.Generator().manual_seed(0))
+    scored = rollout.TrainingEngine(model, torch.float32, micro_batch=2).score(out, keep_experts=True)
+    layers, k = tiny_profile.moe.num_layers, tiny_profile.moe.experts_per_token
+    assert out.experts.shape == (3, 25, layers, k) and scored.experts.shape == out.experts.shape
+    assert (out.experts >= 0).all()
+    assert moe.flip_rate(out.experts, scored.experts, out.mask) == 0.0
+
+
+def test_router_in_fp32_keeps_the_model_dtype_outside_the_router(tiny_profile, lab_cache):
+    model, _ = models.load(None, "moe", tiny_profile, seed=0, dtype=torch.bfloat16)
+    assert moe.router_in_fp32(model) == tiny_profile.moe.num_layers
+    assert all(r.weight.dtype == torch.float32 for r in moe.routers(model))
+    assert model(input_ids=torch.tensor([[5, 6, 7]])).logits.dtype == torch.bfloat16
+
+
+def test_flip_rate_counts_sets_not_order():
+    a = torch.tensor([[[[0, 1]], [[2, 3]]]])  # batch 1, 2 tokens, 1 layer, top-2
+    b = torch.tensor([[[[1, 0]], [[2, 4]]]])
+    assert moe.flip_rate(a, b, torch.ones(1, 2)) == 0.5
+    with pytest.raises(ValueError, match="no routing"):
+        moe.flip_rate(a, b, torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="no top-k router"):
+        moe.routers(torch.nn.Linear(2, 2))

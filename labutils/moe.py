@@ -1,0 +1,84 @@
+"""Mixture-of-experts routing: record which experts each token chose, compare engines, route in fp32.
+
+A top-k router scores every expert with one small matmul and keeps the k best. When two
+experts score almost the same, a rounding error can swap which one is kept: a discrete
+change of the computation, not a small perturbation of it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def routers(model) -> list:
+    """The model's top-k router modules, in layer order (transformers' `*TopKRouter`)."""
+    found = [m for _, m in model.named_modules()
+             if hasattr(m, "top_k") and hasattr(m, "num_experts") and isinstance(getattr(m, "weight", None), torch.Tensor)]
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no top-k router; load a mixture-of-experts model "
+                         "(the lab's kind='moe').")
+    return found
+
+
+class RouterRecorder:
+    """While active, keeps the expert indices each router chose in the latest forward ([tokens, k] per layer)."""
+
+    def __init__(self, model):
+        self.modules = routers(model)
+        self.latest: list[torch.Tensor | None] = [None] * len(self.modules)
+        self._handles = []
+
+    def __enter__(self):
+        for layer, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._keep(layer)))
+        return self
+
+    def _keep(self, layer):
+        def hook(module, inputs, output):
+            self.latest[layer] = output[2].detach()  # (router_logits, scores, indices)
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def router_in_fp32(model) -> int:
+    """Route in fp32 whatever the model's dtype: router weights and inputs in fp32, scores back in the model's.
+
+    The experts still run in the model's dtype; only the k-of-n decision is made in fp32.
+    Returns how many routers were changed.
+    """
+    found = routers(model)
+    for module in found:
+        module.float()
+        module.register_forward_pre_hook(_inputs_to_fp32)
+        module.register_forward_hook(_scores_to_input_dtype)
+    return len(found)
+
+
+def _inputs_to_fp32(module, args):
+    module.input_dtype = args[0].dtype
+    return (args[0].float(), *args[1:])
+
+
+def _scores_to_input_dtype(module, args, output):
+    logits, scores, indices = output
+    return logits, scores.to(module.input_dtype), indices
+
+
+def flipped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """True where two expert choices [..., k] differ as sets (order inside the top-k ignored)."""
+    return (a.sort(-1).values != b.sort(-1).values).any(-1)
+
+
+def flip_rate(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Share of routing decisions (token × layer) whose expert set differs between two engines.
+
+    `a`, `b`: [batch, steps, layers, k] expert indices; `mask`: [batch, steps] real tokens.
+    """
+    decisions = flipped(a, b) & mask[..., None].bool()
+    total = int(mask.sum()) * a.shape[2]
+    if total == 0:
+        raise ValueError("the mask selects no tokens; there are no routing decisions to compare.")
+    return int(decisions.sum()) / total
