@@ -219,8 +219,8 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
 
 
 def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train_dtype: torch.dtype,
-                   seed: int = 0, plan: GrpoPlan | None = None):
-    """An EngineGRPOTrainer on the task whose completions come from `rollout_func`, quiet."""
+                   seed: int = 0, plan: GrpoPlan | None = None, peft_config=None):
+    """An EngineGRPOTrainer on the task, quiet; completions come from `rollout_func` (None: trl's own generate)."""
     import os
 
     from transformers.trainer_callback import PrinterCallback
@@ -228,7 +228,8 @@ def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in trl
     built = _engine_trainer_class()(model=model, reward_funcs=exact_match_reward, args=args,
                                     train_dataset=task_dataset(profile, seed, plan=plan),
-                                    processing_class=tokenizer, rollout_func=rollout_func, train_dtype=train_dtype)
+                                    processing_class=tokenizer, rollout_func=rollout_func, train_dtype=train_dtype,
+                                    peft_config=peft_config)
     built.remove_callback(PrinterCallback)
     return built
 

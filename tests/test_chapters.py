@@ -25,6 +25,8 @@ REQUIRED_METRICS = {
     "06_moe": [f"flip_rate.{p}" for p in ("fp32", "bf16", "fp16")] + [f"kl.{p}" for p in ("fp32", "bf16", "fp16")]
     + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
     + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
+    "07_lora": [f"lost_update_fraction.{d}" for d in ("bf16", "fp16", "fp16_compute", "fp32")]
+    + [f"grpo.{d}.{m}" for d in ("bf16", "fp16", "fp16_compute", "fp32") for m in ("final_reward", "max_grad_norm")],
 }
 
 
@@ -90,3 +92,11 @@ def test_moe_routing_flips_follow_precision():
     assert 0 < metrics["flip_rate.fp16"] < metrics["flip_rate.bf16"] < 0.05
     assert metrics["source.expert_choice_precision_ignored"] is True
     assert metrics["bf16.abs_log_ratio_flipped"] > metrics["bf16.abs_log_ratio_unflipped"]
+
+
+def test_lora_loses_updates_by_adapter_dtype():
+    metrics = json.loads((pipeline.BUILD / "results" / "07_lora.json").read_text())["metrics"]
+    assert metrics["lost_update_fraction.fp32"] < 1e-3 < metrics["lost_update_fraction.bf16"]
+    assert metrics["lost_update_fraction.fp16_compute"] < 1e-3  # fp32 adapters under fp16 compute
+    assert metrics["predicted_lost_at_1e_5.bfloat16"] > metrics["predicted_lost_at_1e_5.float16"]
+    assert metrics["fp16.adam_eps_in_fp16"] == 0.0

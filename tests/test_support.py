@@ -81,3 +81,18 @@ def test_markdown_table():
     assert table.splitlines() == ["| metric | this run | the sources say |", "|---|---|---|",
                                   "| a | 0.5 |  |", "| b | True | False (source) |"]
     assert results.markdown_table({"a": 1}).splitlines()[-1] == "| a | 1 |"
+
+
+def test_half_ulp_and_lost_updates_follow_the_dtype_spacing():
+    import torch
+
+    from labutils import updates
+
+    one = torch.tensor([1.0])
+    assert float(updates.half_ulp(one.to(torch.bfloat16))) == 2**-8
+    assert float(updates.half_ulp(one.to(torch.float16))) == 2**-11
+    # an update of 1e-3 on a weight of 1.0: lost in bf16 (half-ulp 2^-8 ~ 3.9e-3), kept in fp16
+    assert updates.predicted_loss(one, torch.tensor([1.0]), [1e-3], torch.bfloat16) == [1.0]
+    assert updates.predicted_loss(one, torch.tensor([1.0]), [1e-3], torch.float16) == [0.0]
+    w = torch.tensor([1.0], dtype=torch.bfloat16)
+    assert torch.equal(w + torch.tensor([1e-3], dtype=torch.bfloat16), w)  # the rule, checked against torch
