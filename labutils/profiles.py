@@ -93,8 +93,8 @@ PROFILES = {
         task=TaskRange(min_walk=1, max_walk=20, eval_problems=256),
         grpo=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=10, prompts=256),
-        mismatch=MismatchPlan(sequences=128, min_len=32, max_len=1050, micro_batch=16),
-        rl=GrpoPlan(steps=20, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
+        mismatch=MismatchPlan(sequences=96, min_len=32, max_len=1050, micro_batch=16),
+        rl=GrpoPlan(steps=16, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=6, max_walk=14, prompts=256),
     ),
     "gpu": Profile(

@@ -7,6 +7,7 @@ import re
 
 def source_lines(obj, pattern: str, before: int = 0, after: int = 0) -> str:
     """Lines of `obj`'s source matching the regex `pattern` (with context), prefixed by file:line."""
+    obj = inspect.unwrap(obj)  # decorated functions (torch.no_grad, functools.wraps) show their own body
     lines, first = inspect.getsourcelines(obj)
     path = inspect.getsourcefile(obj)
     keep = set()
