@@ -69,13 +69,13 @@ def reward_curve(trainer) -> list[float]:
     return [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
 
 
-def trainer(model, tokenizer, args, profile: Profile, seed: int = 0, peft_config=None):
+def trainer(model, tokenizer, args, profile: Profile, seed: int = 0, peft_config=None, plan: GrpoPlan | None = None):
     """trl's GRPOTrainer on the task, quiet (no per-step log printing)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
     built = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args,
-                        train_dataset=task_dataset(profile, seed), processing_class=tokenizer,
+                        train_dataset=task_dataset(profile, seed, plan=plan), processing_class=tokenizer,
                         peft_config=peft_config)
     built.remove_callback(PrinterCallback)
     return built

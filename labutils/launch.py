@@ -1,0 +1,60 @@
+"""One GRPO run as a script, for `accelerate launch`: the same experiment on 1 or N processes.
+
+    accelerate launch --cpu --num_processes 2 -m labutils.launch --profile cpu --out DIR
+
+The global batch (completions per optimizer step) is the profile's whatever the number of
+processes: each process generates and trains on its share, and DDP averages the gradients.
+Rank 0 writes `<out>/result.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from . import grpo, models, profiles
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    P = profiles.check_parameters(args.profile, args.seed, steps=args.steps)
+    plan = P.rl
+    if plan.batch_size % world:
+        raise ValueError(f"the global batch of {plan.batch_size} does not split over {world} processes.")
+    plan = dataclasses.replace(plan, steps=args.steps or plan.steps)
+    torch.manual_seed(args.seed)
+    model, tokenizer = models.load(None, "dense", P, args.seed)
+    config = grpo.config(P, args.out, seed=args.seed, plan=plan,
+                         per_device_train_batch_size=plan.batch_size // world,
+                         ddp_backend="gloo" if not torch.cuda.is_available() else None)
+    trainer = grpo.trainer(model, tokenizer, config, P, seed=args.seed, plan=plan)
+    measured = grpo.train_measured(trainer, "cuda" if torch.cuda.is_available() else "cpu",
+                                   last=max(1, plan.steps // 4))
+    if trainer.accelerator.is_main_process:
+        result = {"world_size": trainer.accelerator.num_processes, "global_batch": plan.batch_size,
+                  "per_process_batch": config.per_device_train_batch_size,
+                  "backend": str(trainer.accelerator.state.backend),
+                  **{k: measured[k] for k in ("final_reward", "reward_curve", "grad_norm_curve", "seconds",
+                                              "tokens_per_s")}}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "result.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
