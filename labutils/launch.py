@@ -1,6 +1,8 @@
 """One GRPO run as a script, for `accelerate launch`: the same experiment on 1 or N processes.
 
-    accelerate launch --cpu --num_processes 2 -m labutils.launch --profile cpu --out DIR
+    accelerate launch --multi_gpu --num_processes 2 -m labutils.launch --profile cpu --out DIR
+
+(`--multi_gpu` picks the torchrun launcher; without CUDA the processes use the CPU and gloo.)
 
 The global batch (completions per optimizer step) is the profile's whatever the number of
 processes: each process generates and trains on its share, and DDP averages the gradients.
@@ -40,9 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     plan = dataclasses.replace(plan, steps=args.steps or plan.steps)
     torch.manual_seed(args.seed)
     model, tokenizer = models.load(None, "dense", P, args.seed)
-    config = grpo.config(P, args.out, seed=args.seed, plan=plan,
-                         per_device_train_batch_size=plan.batch_size // world,
-                         ddp_backend="gloo" if not torch.cuda.is_available() else None)
+    config = grpo.config(P, args.out, seed=args.seed, plan=plan, per_device_train_batch_size=plan.batch_size // world)
     trainer = grpo.trainer(model, tokenizer, config, P, seed=args.seed, plan=plan)
     measured = grpo.train_measured(trainer, "cuda" if torch.cuda.is_available() else "cpu",
                                    last=max(1, plan.steps // 4))

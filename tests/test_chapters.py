@@ -25,6 +25,16 @@ REQUIRED_METRICS = {
     "06_moe": [f"flip_rate.{p}" for p in ("fp32", "bf16", "fp16")] + [f"kl.{p}" for p in ("fp32", "bf16", "fp16")]
     + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
     + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
+    "03_loss_scaling": ["underflow_fraction.unscaled", "underflow_fraction.scaled", "scaler.skipped_steps",
+                        "scaler.final_scale"],
+    "08_sensitive_ops": [f"err.{op}.{d}" for op in ("softmax", "log_softmax", "layer_norm", "rms_norm",
+                                                     "attention_logits", "sum") for d in ("bf16", "fp16")]
+    + ["adam.eps_in_fp16", "adam.default_eps"],
+    "09_fp8": [f"qerr.{t}.{f}.{s}" for t in ("weights", "activations", "gradients") for f in ("e4m3fn", "e5m2")
+               for s in ("none", "tensor", "block")] + ["matmul.outcome"],
+    "10_scaling_out": ["ddp.world_size", "ddp.final_reward", "single.final_reward", "deepspeed.zero_stage",
+                       "fsdp.with_policy.reduce_dtype"],
+    "11_troubleshooting": ["rows", "reproduced", "predicted"],
     "07_lora": [f"lost_update_fraction.{d}" for d in ("bf16", "fp16", "fp16_compute", "fp32")]
     + [f"grpo.{d}.{m}" for d in ("bf16", "fp16", "fp16_compute", "fp32") for m in ("final_reward", "max_grad_norm")],
 }
@@ -100,3 +110,24 @@ def test_lora_loses_updates_by_adapter_dtype():
     assert metrics["lost_update_fraction.fp16_compute"] < 1e-3  # fp32 adapters under fp16 compute
     assert metrics["predicted_lost_at_1e_5.bfloat16"] > metrics["predicted_lost_at_1e_5.float16"]
     assert metrics["fp16.adam_eps_in_fp16"] == 0.0
+
+
+def test_toolkit_chapters_measure_what_they_claim():
+    def load(stem):
+        return json.loads((pipeline.BUILD / "results" / f"{stem}.json").read_text())["metrics"]
+
+    scaling = load("03_loss_scaling")
+    assert scaling["underflow_fraction.scaled"] < scaling["underflow_fraction.unscaled"]
+    assert scaling["scaler.high_init.skipped_steps"] > 0  # a scale far too high is backed off, step by step
+    ops = load("08_sensitive_ops")
+    assert ops["adam.eps_in_fp16"] == 0.0 and ops["adam.default_eps"] == 1e-8
+    assert ops["err.log_softmax.bf16"] > ops["err.log_softmax.fp16"] > ops["err.log_softmax.bf16_fp32_out"]
+    fp8 = load("09_fp8")
+    for tensor in ("weights", "activations", "gradients"):
+        assert fp8[f"qerr.{tensor}.e4m3fn.block"] < fp8[f"qerr.{tensor}.e5m2.block"]  # one more mantissa bit
+    assert fp8["flushed.gradients.e4m3fn.none"] > fp8["flushed.gradients.e5m2.none"]  # less range
+    out = load("10_scaling_out")
+    assert out["ddp.world_size"] == 2 and out["single.world_size"] == 1
+    assert out["fsdp.from_file.reduce_dtype"] == "float16" and out["fsdp.with_policy.reduce_dtype"] == "float32"
+    table = load("11_troubleshooting")
+    assert table["rows"] >= 10 and table["reproduced"] >= 7 and table["predicted"] >= 5
