@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import ledger, workshop
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "_build"
 SITE = BUILD / "site"  # the book's sources as Sphinx sees them: pages plus executed notebooks
@@ -120,6 +122,8 @@ def stage(root: Path = ROOT) -> None:
         _copy_if_changed(page, SITE / "appendix" / page.name)
     for stem in chapters(root):
         _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
+    ledger.write(root, SITE / "appendix" / "claims_ledger.md")  # generated from this build's results
+    workshop.write(root, SITE / "appendix" / "workshop.md")
 
 
 def build_html(root: Path = ROOT) -> Path:

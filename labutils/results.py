@@ -102,3 +102,17 @@ def markdown_table(metrics: dict, keys: list[str] | None = None, notes: dict | N
         return "| metric | this run |\n|---|---|\n" + "\n".join(rows)
     rows = [f"| {k} | {cell(metrics[k])} | {notes.get(k, '')} |" for k in keys]
     return "| metric | this run | the sources say |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def provenance(chapter: str, folder: Path | None = None):
+    """A one-paragraph Markdown record of how the saved results of `chapter` were produced."""
+    from IPython.display import Markdown
+
+    data = load(chapter, folder)
+    env = data["env"]
+    device = env["device_name"] if env["device"] == "cpu" else f"{env['device_name']} (CUDA {env['cuda']})"
+    libraries = ", ".join(f"{lib} {env[lib]}" for lib in ("torch", "transformers", "trl", "peft", "accelerate",
+                                                          "bitsandbytes") if lib in env)
+    return Markdown(f"*Provenance:* `{data['profile']}` profile on {env['device']} ({device}), "
+                    f"Python {env['python']}, {libraries}; executed in {data['seconds']:.1f} s. "
+                    f"Every number on this page comes from this run (`_build/results/{chapter}.json`).")

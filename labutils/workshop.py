@@ -1,0 +1,66 @@
+"""The workshop page: a half-day plan whose run times are read from this build's results."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# (block, minutes of teaching and discussion, chapters run in it, what the room does)
+PLAN = [
+    ("Formats and the lab", 30, ["00_lab", "01_number_formats"],
+     "read bf16/fp16/fp8 layouts off real casts; meet the task and the tiny models"),
+    ("The crash", 30, ["02_qlora_crash", "03_loss_scaling", "11_troubleshooting"],
+     "reproduce the QLoRA GRPO error, trace it into the libraries, predict it with preflight"),
+    ("Break", 15, [], ""),
+    ("The mismatch", 45, ["04_mismatch", "05_grpo_precision"],
+     "measure μ against π at 1,000+ tokens; run GRPO under precision pairs"),
+    ("MoE and LoRA", 40, ["06_moe", "07_lora"],
+     "count routing flips and lost LoRA updates"),
+    ("Toolkit", 30, ["08_sensitive_ops", "09_fp8", "10_scaling_out"],
+     "which operations need fp32, FP8 roles, multi-process launch and configs"),
+    ("Wrap-up", 10, [], "each group reports one claim from the ledger it would now dispute"),
+]
+
+
+def _seconds(folder: Path) -> dict:
+    found = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        data = json.loads(path.read_text())
+        found[data.get("chapter", path.stem)] = data.get("seconds")
+    return found
+
+
+def page(root: Path) -> str:
+    cpu, gpu = _seconds(root / "_build" / "results"), _seconds(root / "results" / "gpu")
+
+    def fmt(table, stem):
+        return f"{table[stem]:.0f} s" if table.get(stem) is not None else "not yet measured"
+
+    rows = []
+    for block, minutes, stems, activity in PLAN:
+        run = "; ".join(f"{s} (cpu {fmt(cpu, s)}, gpu {fmt(gpu, s)})" for s in stems) or "–"
+        rows.append(f"| {block} | {minutes} min | {run} | {activity or '–'} |")
+    total_cpu = sum(v for v in cpu.values() if v)
+    return "\n".join([
+        "# Workshop kit", "",
+        "A half-day (about four hours) plan. Minutes are for teaching and discussion; the run times "
+        "beside each chapter are this build's own measurements (`_build/results`), and GPU times "
+        "come from committed reference runs (`results/gpu/`) when there are any.", "",
+        "| block | minutes | chapters (run time) | what the room does |", "|---|---|---|---|", *rows, "",
+        "## A room without GPUs", "",
+        f"Every chapter runs in the `cpu` profile; the whole book takes {total_cpu / 60:.0f} minutes here "
+        "on two cores, and less than a minute per chapter once the lab's models are cached (chapter 0 "
+        "builds them). Run `make book` once before the session, then let participants re-run single "
+        "chapters with other parameters (README). Cells that need CUDA say so and run their CPU "
+        "counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9.", "",
+        "## Exercises", "",
+        "Every chapter ends with exercises; the solutions are folded under *Solutions* so a teacher "
+        "can reveal them after the room has tried.", ""])
+
+
+def write(root: Path, target: Path) -> bool:
+    text = page(root)
+    if target.is_file() and target.read_text() == text:
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    return True
