@@ -42,14 +42,14 @@ def page(root: Path) -> str:
     total_cpu = sum(v for v in cpu.values() if v)
     return "\n".join([
         "# Workshop kit", "",
-        "A half-day (about four hours) plan. Minutes are for teaching and discussion; the run times "
+        "A half-day plan (about three and a half hours). Minutes are for teaching and discussion; the run times "
         "beside each chapter are this build's own measurements (`_build/results`), and GPU times "
         "come from committed reference runs (`results/gpu/`) when there are any.", "",
         "| block | minutes | chapters (run time) | what the room does |", "|---|---|---|---|", *rows, "",
         "## A room without GPUs", "",
         f"Every chapter runs in the `cpu` profile; the whole book takes {total_cpu / 60:.0f} minutes here "
-        "on two cores, and less than a minute per chapter once the lab's models are cached (chapter 0 "
-        "builds them). Run `make book` once before the session, then let participants re-run single "
+        "on two cores, at most about a minute and a half per chapter once the lab's models are cached "
+        "(chapter 0 builds them). Run `make book` once before the session, then let participants re-run single "
         "chapters with other parameters (README). Cells that need CUDA say so and run their CPU "
         "counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9.", "",
         "## Exercises", "",
