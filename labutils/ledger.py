@@ -169,12 +169,3 @@ def page(root: Path) -> str:
         "| # | source | the source says | the paper says | measured (cpu) | measured (gpu) | verdict | chapter |",
         "|---|---|---|---|---|---|---|---|", *rows, ""])
 
-
-def write(root: Path, target: Path) -> bool:
-    """Write the page to `target` if it changed; True when written."""
-    text = page(root)
-    if target.is_file() and target.read_text() == text:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    return True

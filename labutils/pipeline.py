@@ -114,6 +114,13 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
     shutil.copyfile(src, dst)
 
 
+def _write_if_changed(text: str, dst: Path) -> None:
+    if dst.is_file() and dst.read_text() == text:
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(text)
+
+
 def stage(root: Path = ROOT) -> None:
     """Assemble the book's Sphinx sources: top-level pages and the executed chapters."""
     for page in PAGES:
@@ -122,8 +129,9 @@ def stage(root: Path = ROOT) -> None:
         _copy_if_changed(page, SITE / "appendix" / page.name)
     for stem in chapters(root):
         _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
-    ledger.write(root, SITE / "appendix" / "claims_ledger.md")  # generated from this build's results
-    workshop.write(root, SITE / "appendix" / "workshop.md")
+    # generated pages: read from this build's results, so their numbers are this run's
+    _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
+    _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
 
 
 def build_html(root: Path = ROOT) -> Path:

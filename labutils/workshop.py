@@ -56,11 +56,3 @@ def page(root: Path) -> str:
         "Every chapter ends with exercises; the solutions are folded under *Solutions* so a teacher "
         "can reveal them after the room has tried.", ""])
 
-
-def write(root: Path, target: Path) -> bool:
-    text = page(root)
-    if target.is_file() and target.read_text() == text:
-        return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    return True
