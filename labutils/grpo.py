@@ -69,16 +69,25 @@ def reward_curve(trainer) -> list[float]:
     return [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
 
 
-def trainer(model, tokenizer, args, profile: Profile, seed: int = 0, peft_config=None, plan: GrpoPlan | None = None):
-    """trl's GRPOTrainer on the task, quiet (no per-step log printing)."""
+def trainer(model, tokenizer, args, profile: Profile, seed: int = 0, peft_config=None, plan: GrpoPlan | None = None,
+            trainer_class=None, **extra):
+    """trl's GRPOTrainer (or `trainer_class`) on the task, quiet (no per-step log printing)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
-    built = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args,
-                        train_dataset=task_dataset(profile, seed, plan=plan), processing_class=tokenizer,
-                        peft_config=peft_config)
+    built = (trainer_class or GRPOTrainer)(model=model, reward_funcs=exact_match_reward, args=args,
+                                           train_dataset=task_dataset(profile, seed, plan=plan),
+                                           processing_class=tokenizer, peft_config=peft_config, **extra)
     built.remove_callback(PrinterCallback)
     return built
+
+
+def precision_flags(train_dtype: torch.dtype, device: str) -> dict:
+    """GRPOConfig flags for a training engine in `train_dtype`: accelerate's mixed precision on a GPU
+    (with its loss scaler for fp16); none on a CPU, where accelerate ignores them."""
+    if device != "cuda" or train_dtype == torch.float32:
+        return {}
+    return {"fp16": True} if train_dtype == torch.float16 else {"bf16": True}
 
 
 def cast_trainables(model, dtype: torch.dtype) -> int:
@@ -223,15 +232,9 @@ def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train
     """An EngineGRPOTrainer on the task, quiet; completions come from `rollout_func` (None: trl's own generate)."""
     import os
 
-    from transformers.trainer_callback import PrinterCallback
-
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in trl
-    built = _engine_trainer_class()(model=model, reward_funcs=exact_match_reward, args=args,
-                                    train_dataset=task_dataset(profile, seed, plan=plan),
-                                    processing_class=tokenizer, rollout_func=rollout_func, train_dtype=train_dtype,
-                                    peft_config=peft_config)
-    built.remove_callback(PrinterCallback)
-    return built
+    return trainer(model, tokenizer, args, profile, seed, peft_config, plan, trainer_class=_engine_trainer_class(),
+                   rollout_func=rollout_func, train_dtype=train_dtype)
 
 
 def routing_probe(prompt_ids: list[list[int]], lengths: torch.Tensor, dtype: torch.dtype, every: int,

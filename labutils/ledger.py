@@ -6,10 +6,11 @@ is computed from it, never typed.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from .results import load_all
 
 CONFIRMED, CONTRADICTED = "confirmed", "contradicted"
 NOT_SUPPORTED, NOT_AT_SCALE = "not supported", "not reproducible at this scale"
@@ -130,14 +131,6 @@ CLAIMS = [
 ]
 
 
-def _metrics(folder: Path) -> dict:
-    found = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-        data = json.loads(path.read_text())
-        found[data.get("chapter", path.stem)] = data
-    return found
-
-
 def _evaluate(claim: Claim, runs: dict) -> tuple[str, str]:
     data = runs.get(claim.chapter)
     if data is None or any(k not in data["metrics"] for k in claim.keys):
@@ -147,7 +140,7 @@ def _evaluate(claim: Claim, runs: dict) -> tuple[str, str]:
 
 def page(root: Path) -> str:
     """The ledger as a MyST Markdown page."""
-    cpu, gpu = _metrics(root / "_build" / "results"), _metrics(root / "results" / "gpu")
+    cpu, gpu = load_all(root / "_build" / "results"), load_all(root / "results" / "gpu")
     rows = []
     for i, claim in enumerate(CLAIMS, 1):
         measured, verdict = _evaluate(claim, cpu)

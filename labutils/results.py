@@ -84,6 +84,15 @@ def load(chapter: str, folder: Path | None = None) -> dict:
     return json.loads(((folder or results_dir()) / f"{chapter}.json").read_text())
 
 
+def load_all(folder: Path) -> dict:
+    """Every results file in `folder` (none if it does not exist), by chapter."""
+    found = {}
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        data = json.loads(path.read_text())
+        found[data.get("chapter", path.stem)] = data
+    return found
+
+
 def gpu_reference(chapter: str) -> dict | None:
     """The committed GPU reference results of a chapter (`results/gpu/<chapter>.json`), if any."""
     root = project_root() or Path.cwd()

@@ -1,8 +1,9 @@
 """The workshop page: a half-day plan whose run times are read from this build's results."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from .results import load_all
 
 # (block, minutes of teaching and discussion, chapters run in it, what the room does)
 PLAN = [
@@ -21,16 +22,9 @@ PLAN = [
 ]
 
 
-def _seconds(folder: Path) -> dict:
-    found = {}
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-        data = json.loads(path.read_text())
-        found[data.get("chapter", path.stem)] = data.get("seconds")
-    return found
-
-
 def page(root: Path) -> str:
-    cpu, gpu = _seconds(root / "_build" / "results"), _seconds(root / "results" / "gpu")
+    cpu, gpu = ({stem: data.get("seconds") for stem, data in load_all(root / folder).items()}
+                for folder in ("_build/results", "results/gpu"))
 
     def fmt(table, stem):
         return f"{table[stem]:.0f} s" if table.get(stem) is not None else "not yet measured"
