@@ -9,8 +9,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: book test chapters bench clean setup
+.PHONY: book test chapters bench clean setup browser
 
 setup: $(STAMP)
 
@@ -32,8 +33,16 @@ chapters: $(STAMP)
 book: $(STAMP)
 	$(PY) -m labutils.pipeline book --profile $(PROFILE)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest
+
+# Debian's chromium for the browser test (tests/test_site.py), installed only where we are root
+# with apt-get; elsewhere install it yourself or set CHROMIUM=/path/to/chromium, or the test is skipped.
+browser:
+	@if [ -x "$(CHROMIUM)" ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium >/dev/null; }; \
+	else echo "no chromium at $(CHROMIUM) and no root apt-get: the browser test will be skipped"; fi
 
 bench:
 	$(PY) -m labutils.pipeline bench

@@ -129,9 +129,27 @@ def stage(root: Path = ROOT) -> None:
         _copy_if_changed(page, SITE / "appendix" / page.name)
     for stem in chapters(root):
         _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
+    _stage_mathjax()
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
     _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
+
+
+def _stage_mathjax() -> None:
+    """A local MathJax 3 (from the django-static-mathjax wheel's files), so the book's maths renders offline."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mathjax")
+    source = Path(spec.submodule_search_locations[0]) / "static" / "mathjax" / "es5" if spec else None
+    if source is None or not (source / "tex-mml-chtml.js").is_file():
+        raise FileNotFoundError("MathJax files not found: install the book's dependencies "
+                                "(pip install -e '.[book]', which brings django-static-mathjax).")
+    target = SITE / "_vendor" / "mathjax"  # not _static: jupyter-book includes every .js found there
+    _copy_if_changed(source / "tex-mml-chtml.js", target / "tex-mml-chtml.js")
+    for part in ("input/tex/extensions", "output/chtml/fonts/woff-v2", "a11y", "ui", "adaptors"):
+        for file in (source / part).rglob("*"):
+            if file.is_file():
+                _copy_if_changed(file, target / file.relative_to(source))
 
 
 def build_html(root: Path = ROOT) -> Path:
