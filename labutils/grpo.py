@@ -38,7 +38,7 @@ def config(profile: Profile, output_dir: str, seed: int = 0, steps: int | None =
         disable_tqdm=True, dataloader_num_workers=0,
         bf16=False, fp16=False,  # trl defaults to bf16; every chapter states its precision explicitly
         vllm_importance_sampling_correction=False,  # on by default in trl; chapters turn it on by name
-        use_cpu=not torch.cuda.is_available(),
+        use_cpu=profile.device == "cpu",
     )
     settings.update(overrides)
     return GRPOConfig(**settings)

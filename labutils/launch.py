@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = models.load(None, "dense", P, args.seed)
     config = grpo.config(P, args.out, seed=args.seed, plan=plan, per_device_train_batch_size=plan.batch_size // world)
     trainer = grpo.trainer(model, tokenizer, config, P, seed=args.seed, plan=plan)
-    measured = grpo.train_measured(trainer, "cuda" if torch.cuda.is_available() else "cpu",
+    measured = grpo.train_measured(trainer, P.device,
                                    last=max(1, plan.steps // 4))
     if trainer.accelerator.is_main_process:
         result = {"world_size": trainer.accelerator.num_processes, "global_batch": plan.batch_size,

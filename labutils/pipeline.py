@@ -18,12 +18,12 @@ import sys
 import time
 from pathlib import Path
 
-from . import ledger, workshop
+from . import colab, ledger, workshop
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "_build"
 SITE = BUILD / "site"  # the book's sources as Sphinx sees them: pages plus executed notebooks
-PAGES = ("_config.yml", "_toc.yml", "intro.md", "references.bib")
+PAGES = ("_toc.yml", "intro.md", "references.bib")
 
 
 def chapters(root: Path = ROOT) -> list[str]:
@@ -32,12 +32,10 @@ def chapters(root: Path = ROOT) -> list[str]:
 
 
 def resolve_profile(profile: str) -> str:
-    """'auto' -> 'gpu' with CUDA, else 'cpu' (any other value goes to the chapter to reject)."""
-    if profile != "auto":
-        return profile
-    import torch
+    """'auto' -> the profile a chapter would pick here (any other value goes to the chapter to reject)."""
+    from . import profiles
 
-    return "gpu" if torch.cuda.is_available() else "cpu"
+    return profiles.resolve(profile).name if profile == "auto" else profile
 
 
 def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
@@ -123,8 +121,15 @@ def _write_if_changed(text: str, dst: Path) -> None:
 
 def stage(root: Path = ROOT) -> None:
     """Assemble the book's Sphinx sources: top-level pages and the executed chapters."""
+    import yaml
+
     for page in PAGES:
         _copy_if_changed(root / page, SITE / page)
+    config = yaml.safe_load((root / "_config.yml").read_text())
+    repo = colab.repository(root)
+    if repo:  # Colab launch buttons on every chapter page
+        config |= colab.launch_config(repo)
+    _write_if_changed(yaml.safe_dump(config, sort_keys=False), SITE / "_config.yml")
     for page in (root / "appendix").glob("*.md") if (root / "appendix").is_dir() else ():
         _copy_if_changed(page, SITE / "appendix" / page.name)
     for stem in chapters(root):
@@ -158,7 +163,30 @@ def build_html(root: Path = ROOT) -> Path:
     jupyter_book = Path(sys.executable).with_name("jupyter-book")
     subprocess.run([str(jupyter_book), "build", str(SITE), "--path-output", str(root), "-W",
                     "--keep-going", "--quiet"], check=True)
-    return root / "_build" / "html"
+    html = root / "_build" / "html"
+    write_colab_notebooks(html, root)
+    return html
+
+
+def write_colab_notebooks(html: Path, root: Path = ROOT) -> list[Path]:
+    """The chapters as Colab notebooks inside the built book (the pages branch serves them to Colab)."""
+    import nbformat
+
+    repo, commit = colab.repository(root), colab.revision(root)
+    if not (repo and commit):
+        print("Colab: no GitHub repository found (set BOOK_REPOSITORY=owner/name, or build in GitHub "
+              "Actions); the book is built without Colab notebooks and launch buttons.")
+        return []
+    written = []
+    for stem in chapters(root):
+        result = root / "_build" / "results" / f"{stem}.json"
+        versions = json.loads(result.read_text())["env"] if result.is_file() else {}
+        target = html / colab.FOLDER / "chapters" / f"{stem}.ipynb"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(colab.notebook(root / "chapters" / f"{stem}.md", repo, commit, versions), target)
+        written.append(target)
+    print(f"Colab: {len(written)} notebooks for {repo}@{commit[:12]} in {target.parent}")
+    return written
 
 
 def bench(root: Path = ROOT) -> float:

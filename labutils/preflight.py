@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .profiles import BF16_MIN_CAPABILITY
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -32,7 +34,6 @@ class PrecisionConfigError(ValueError):
         super().__init__("precision preflight failed:\n" + "\n".join(f"  - {f}" for f in findings))
 
 
-BF16_MIN_CAPABILITY = (8, 0)  # Ampere
 
 
 def _flag(args, name: str) -> bool:

@@ -69,6 +69,7 @@ class Profile:
     """Everything a chapter may size by profile."""
 
     name: str
+    device: str  # where the chapters compute: "cpu" or "cuda"
     dense: ModelSize
     moe: ModelSize
     warmup: WarmupPlan
@@ -84,6 +85,7 @@ _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk
 PROFILES = {
     "cpu": Profile(
         name="cpu",
+        device="cpu",
         dense=ModelSize(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
                         intermediate_size=256),
         moe=ModelSize(hidden_size=96, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -99,6 +101,7 @@ PROFILES = {
     ),
     "gpu": Profile(
         name="gpu",
+        device="cuda",
         dense=ModelSize(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
                         intermediate_size=704, max_positions=4096),
         moe=ModelSize(hidden_size=256, num_layers=6, num_heads=8, num_kv_heads=4,
@@ -116,16 +119,34 @@ PROFILES = {
 }
 
 
+BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 arithmetic, which the chapters compare
+
+
 def resolve(profile: str) -> Profile:
-    """Turn a chapter's `profile` parameter into a Profile ("auto" -> gpu with CUDA, else cpu)."""
+    """Turn a chapter's `profile` parameter into a Profile.
+
+    "auto" is "gpu" on a CUDA GPU with bf16 arithmetic (Ampere or newer: A100, L4, H100, RTX 30xx+),
+    else "cpu"; an older GPU (a T4, a V100) gets the cpu profile, with a line saying why.
+    """
     if profile not in VALID_PROFILES:
         raise ValueError(
             f"profile={profile!r} is not a profile; choose one of {', '.join(map(repr, VALID_PROFILES))}."
         )
-    if profile == "auto":
-        import torch
+    import torch
 
-        profile = "gpu" if torch.cuda.is_available() else "cpu"
+    if profile == "gpu" and not torch.cuda.is_available():
+        raise ValueError("profile='gpu' needs a CUDA GPU and this machine has none; "
+                         "use profile='cpu' (or 'auto', which picks it here).")
+    if profile == "auto":
+        profile = "cpu"
+        if torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability()
+            if capability >= BF16_MIN_CAPABILITY:
+                profile = "gpu"
+            else:
+                print(f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
+                      "has no bf16 arithmetic, which the chapters compare: running the cpu profile. "
+                      "Pass profile='gpu' to run the fp16/fp32 parts on it.")
     return PROFILES[profile]
 
 

@@ -34,6 +34,7 @@ def page(root: Path) -> str:
         run = "; ".join(f"{s} (cpu {fmt(cpu, s)}, gpu {fmt(gpu, s)})" for s in stems) or "–"
         rows.append(f"| {block} | {minutes} min | {run} | {activity or '–'} |")
     total_cpu = sum(v for v in cpu.values() if v)
+    slowest = max(cpu, key=lambda stem: cpu[stem] or 0, default=None)
     return "\n".join([
         "# Workshop kit", "",
         "A half-day plan (about three and a half hours). Minutes are for teaching and discussion; the run times "
@@ -41,11 +42,19 @@ def page(root: Path) -> str:
         "come from committed reference runs (`results/gpu/`) when there are any.", "",
         "| block | minutes | chapters (run time) | what the room does |", "|---|---|---|---|", *rows, "",
         "## A room without GPUs", "",
-        f"Every chapter runs in the `cpu` profile; the whole book takes {total_cpu / 60:.0f} minutes here "
-        "on two cores, at most about a minute and a half per chapter once the lab's models are cached "
-        "(chapter 0 builds them). Run `make book` once before the session, then let participants re-run single "
+        f"Every chapter runs in the `cpu` profile; the whole book took {total_cpu / 60:.0f} minutes in this "
+        f"build (the slowest chapter, {slowest}, {fmt(cpu, slowest)}), with the lab's models built by "
+        "chapter 0 and cached. Run `make book` once before the session, then let participants re-run single "
         "chapters with other parameters (README). Cells that need CUDA say so and run their CPU "
-        "counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9.", "",
+        "counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9. The built book "
+        "needs no network: serve `_build/html` (`python -m http.server -d _build/html`) on the room's machines.", "",
+        "## On Colab", "",
+        "Where the book is published from its GitHub repository, every chapter page has a launch button "
+        "(the rocket at the top) that opens the chapter in Colab. Its first cell installs the book at the "
+        "commit the page was built from, with the library versions it was measured with, and does nothing "
+        "where the package is already installed. Choose a GPU runtime: on an L4 or A100 (bf16 arithmetic) "
+        "`profile=\"auto\"` picks the `gpu` profile; on a T4 it picks the `cpu` profile and says why: "
+        "a T4 has no bf16 arithmetic, so the bf16 side of every comparison would be emulated, not measured.", "",
         "## Exercises", "",
         "Every chapter ends with exercises; the solutions are folded under *Solutions* so a teacher "
         "can reveal them after the room has tried.", ""])

@@ -15,13 +15,16 @@ import http.server
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from labutils import pipeline
+from labutils import colab, pipeline
 
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 # Offline machine: without these Chromium keeps trying to reach Google's services.
@@ -132,11 +135,15 @@ def test_the_check_catches_a_broken_page(tmp_path):
     assert "empty figure (one colour): flat.png" in text and "page error" in text
 
 
-def test_every_page_of_the_book_loads_cleanly_in_chromium():
-    _need_chromium()
+def _built_book() -> Path:
     for stem in pipeline.chapters():
         pipeline.execute(stem, profile="cpu")  # a no-op when the chapter tests already ran them
-    html = pipeline.build_html()
+    return pipeline.build_html()
+
+
+def test_every_page_of_the_book_loads_cleanly_in_chromium():
+    _need_chromium()
+    html = _built_book()
     pages = _pages(html)
     assert {LANDING, "appendix/claims_ledger.html", SCREENSHOT_CHAPTER} <= set(pages), pages
     shots = pipeline.BUILD / "screenshots"
@@ -145,3 +152,27 @@ def test_every_page_of_the_book_loads_cleanly_in_chromium():
                                  SCREENSHOT_CHAPTER: shots / f"{Path(SCREENSHOT_CHAPTER).stem}.png"})
     assert not problems, "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
     assert (shots / "landing.png").stat().st_size > 10_000
+
+
+def test_with_a_repository_every_chapter_has_a_working_colab_button(tmp_path):
+    """The same book built with launch buttons (as GitHub Actions builds it): each chapter page links
+    to its Colab notebook on the pages branch, that notebook is in the build, and the pages stay clean."""
+    _need_chromium()
+    _built_book()
+    repo = colab.repository(pipeline.ROOT) or "someone/precision-lab"
+    site = tmp_path / "site"
+    shutil.copytree(pipeline.SITE, site)
+    config = yaml.safe_load((site / "_config.yml").read_text()) | colab.launch_config(repo)
+    (site / "_config.yml").write_text(yaml.safe_dump(config))
+    jupyter_book = Path(sys.executable).with_name("jupyter-book")
+    subprocess.run([str(jupyter_book), "build", str(site), "--path-output", str(tmp_path), "-W", "--quiet"],
+                   check=True, capture_output=True)
+    html = tmp_path / "_build" / "html"
+    pipeline.write_colab_notebooks(html)
+    for stem in pipeline.chapters():
+        page = (html / "chapters" / f"{stem}.html").read_text()
+        assert f'href="{colab.colab_url(repo, stem)}"' in page, f"{stem}: no Colab button"
+        if colab.repository(pipeline.ROOT):  # notebooks are written only where the repository is real
+            assert (html / colab.FOLDER / "chapters" / f"{stem}.ipynb").is_file()
+    problems = check_site(html)
+    assert not problems, "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)

@@ -16,6 +16,29 @@ def test_profiles_resolve_and_reject():
     assert profiles.resolve("auto").name in ("cpu", "gpu")
     with pytest.raises(ValueError, match="choose one of 'auto', 'cpu', 'gpu'"):
         profiles.resolve("tpu")
+    assert profiles.resolve("cpu").device == "cpu" and profiles.PROFILES["gpu"].device == "cuda"
+
+
+@pytest.mark.parametrize("capability, name, picked", [
+    ((7, 5), "Tesla T4", "cpu"), ((7, 0), "Tesla V100", "cpu"), ((8, 9), "NVIDIA L4", "gpu"), ((9, 0), "NVIDIA H100", "gpu"),
+])
+def test_auto_picks_gpu_only_where_bf16_runs(monkeypatch, capsys, capability, name, picked):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert profiles.resolve("auto").name == picked
+    assert ("no bf16 arithmetic" in capsys.readouterr().out) == (picked == "cpu")
+
+
+def test_gpu_profile_without_cuda_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="profile='gpu' needs a CUDA GPU"):
+        profiles.resolve("gpu")
+    assert profiles.resolve("auto").name == "cpu"
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,0 +1,107 @@
+"""Colab: repository discovery, the install cell, the exported notebooks and the launch config."""
+import importlib.util
+import os
+import subprocess
+
+import jupytext
+import pytest
+
+from labutils import colab, pipeline
+
+VERSIONS = {"transformers": "5.24.0", "trl": "1.16.0", "peft": "0.21.2", "bitsandbytes": "0.50.2",
+            "accelerate": "1.15.0", "torch": "2.13.0+cpu"}
+
+
+@pytest.fixture
+def no_repo_env(monkeypatch):
+    for name in ("BOOK_REPOSITORY", "GITHUB_REPOSITORY", "GITHUB_SHA"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _git_repo(path, remote):
+    subprocess.run(["git", "init", "-q", str(path)], check=True)
+    if remote:
+        subprocess.run(["git", "-C", str(path), "remote", "add", "origin", remote], check=True)
+    return path
+
+
+@pytest.mark.parametrize("remote, expected", [
+    ("git@github.com:someone/precision-lab.git", "someone/precision-lab"),
+    ("https://github.com/someone/precision-lab", "someone/precision-lab"),
+    ("https://github.com/someone/precision-lab.git/", "someone/precision-lab"),
+    ("/srv/git/precision-lab", None),
+    (None, None),
+])
+def test_repository_from_the_origin_remote(tmp_path, no_repo_env, remote, expected):
+    assert colab.repository(_git_repo(tmp_path, remote)) == expected
+
+
+def test_repository_from_the_environment_first(tmp_path, no_repo_env, monkeypatch):
+    root = _git_repo(tmp_path, "https://github.com/someone/precision-lab")
+    monkeypatch.setenv("GITHUB_REPOSITORY", "org/book")
+    assert colab.repository(root) == "org/book"
+    monkeypatch.setenv("BOOK_REPOSITORY", "me/fork")
+    assert colab.repository(root) == "me/fork"
+    monkeypatch.setenv("BOOK_REPOSITORY", "https://github.com/me/fork")
+    with pytest.raises(ValueError, match="is not 'owner/name'"):
+        colab.repository(root)
+
+
+def _run_cell(source, monkeypatch, labutils_present):
+    """Execute the install cell with subprocess, chdir and the import lookup observed."""
+    calls, moves = [], []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
+    monkeypatch.setattr(os, "chdir", moves.append)
+    if not labutils_present:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "labutils" else real(name, *a))
+    exec(compile(source, "install-cell", "exec"), {})
+    return calls, moves
+
+
+def test_install_cell_does_nothing_where_labutils_is_installed(monkeypatch):
+    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, True)
+    assert calls == [] and moves == []
+
+
+def test_install_cell_installs_the_built_commit_with_the_measured_versions(monkeypatch):
+    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, False)
+    assert calls[0][:3] == ["git", "clone", "-q"] and calls[0][3] == "https://github.com/someone/precision-lab"
+    assert calls[1][-1] == "abc123"
+    pip = calls[2]
+    assert pip[1:4] == ["-m", "pip", "install"] and "./precision-lab" in pip
+    assert {"trl==1.16.0", "transformers==5.24.0", "peft==0.21.2", "bitsandbytes==0.50.2",
+            "accelerate==1.15.0"} <= set(pip)
+    assert not any(arg.startswith("torch") for arg in pip)  # Colab's CUDA torch stays
+    assert moves == ["precision-lab"]
+
+
+def test_colab_notebook_is_the_chapter_after_the_install_cell():
+    source = pipeline.ROOT / "chapters" / "04_mismatch.md"
+    nb = colab.notebook(source, "someone/precision-lab", "abc123", VERSIONS)
+    chapter = jupytext.read(source)
+    assert nb.cells[0].metadata["tags"] == ["colab-install"]
+    assert "git+" not in nb.cells[0].source and "abc123" in nb.cells[0].source
+    assert [c.source for c in nb.cells[1:]] == [c.source for c in chapter.cells]
+    assert [c.metadata.get("tags") for c in nb.cells[1:]] == [c.metadata.get("tags") for c in chapter.cells]
+    assert nb.metadata["accelerator"] == "GPU" and nb.metadata["kernelspec"]["name"] == "python3"
+
+
+def test_launch_config_points_colab_at_the_pages_branch():
+    config = colab.launch_config("someone/precision-lab")
+    assert config["repository"] == {"url": "https://github.com/someone/precision-lab", "branch": "gh-pages",
+                                    "path_to_book": "colab"}
+    assert config["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
+    assert colab.colab_url("someone/precision-lab", "04_mismatch") == (
+        "https://colab.research.google.com/github/someone/precision-lab/blob/gh-pages/colab/chapters/04_mismatch.ipynb")
+
+
+def test_colab_notebooks_are_written_into_the_book_or_not_at_all(tmp_path, no_repo_env, monkeypatch, capsys):
+    monkeypatch.setattr(colab, "_git", lambda root, *args: None)
+    assert pipeline.write_colab_notebooks(tmp_path) == []
+    assert "no GitHub repository found" in capsys.readouterr().out
+    monkeypatch.setenv("BOOK_REPOSITORY", "someone/precision-lab")
+    monkeypatch.setenv("GITHUB_SHA", "abc123")
+    written = pipeline.write_colab_notebooks(tmp_path)
+    assert [p.relative_to(tmp_path).as_posix() for p in written] == [
+        f"colab/chapters/{stem}.ipynb" for stem in pipeline.chapters()]
