@@ -34,8 +34,6 @@ class PrecisionConfigError(ValueError):
         super().__init__("precision preflight failed:\n" + "\n".join(f"  - {f}" for f in findings))
 
 
-
-
 def _flag(args, name: str) -> bool:
     return bool(args.get(name) if isinstance(args, dict) else getattr(args, name, False))
 
