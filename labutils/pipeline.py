@@ -160,12 +160,17 @@ def _stage_mathjax() -> None:
 def build_html(root: Path = ROOT) -> Path:
     """Build the HTML from the staged sources, Sphinx warnings as errors; returns `_build/html`."""
     stage(root)
-    jupyter_book = Path(sys.executable).with_name("jupyter-book")
-    subprocess.run([str(jupyter_book), "build", str(SITE), "--path-output", str(root), "-W",
-                    "--keep-going", "--quiet"], check=True)
-    html = root / "_build" / "html"
+    html = jupyter_book(SITE, root)
     write_colab_notebooks(html, root)
     return html
+
+
+def jupyter_book(site: Path, output: Path) -> Path:
+    """`jupyter-book build` of the staged `site` into `output/_build/html`, Sphinx warnings as errors."""
+    command = Path(sys.executable).with_name("jupyter-book")
+    subprocess.run([str(command), "build", str(site), "--path-output", str(output), "-W",
+                    "--keep-going", "--quiet"], check=True)
+    return output / "_build" / "html"
 
 
 def write_colab_notebooks(html: Path, root: Path = ROOT) -> list[Path]:
