@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: book test chapters bench clean setup browser
+.PHONY: book test chapters bench clean setup browser long
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ browser:
 
 bench:
 	$(PY) -m labutils.pipeline bench
+
+# The long run behind chapter 5b's verdict: uncorrected FP8-mantissa sampler vs matched vs TIS,
+# 8 seeds × 10× the chapter's steps, on every core (about 30 minutes on 2 cores). Writes
+# results/long/05b_sampler_precision.json, which the chapter shows when present; commit it.
+long: $(STAMP)
+	$(PY) -m labutils.mismatch_rl long
 
 clean:
 	rm -rf _build

@@ -5,7 +5,7 @@ import random
 
 import torch
 
-from . import models, task
+from . import mismatch, models, task
 from .profiles import GrpoPlan, Profile
 
 
@@ -188,17 +188,19 @@ def _engine_trainer_class():
             with torch.no_grad(), self.compute_loss_context_manager():  # π as the training engine sees it
                 pi, _, _ = self._get_per_token_logps_and_entropies(
                     self.model, ids, attention, output["completion_ids"].size(1), batch_size=ids.size(0))
-            from . import mismatch
-
             lr = mismatch.log_ratio(pi.float(), mu.float(), mask)
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["mismatch/k3"].append(mismatch.k3(lr, mask))
             self._metrics[mode]["mismatch/max_abs_log_ratio"].append(float(lr.abs().max()))
+            for key, value in importance_health(lr, mask).items():  # logged whether or not a correction is on
+                self._metrics[mode][f"is/{key}"].append(value)
             if self.args.vllm_importance_sampling_correction:
                 weight = importance_weights(lr, mask, self.args.vllm_importance_sampling_mode,
                                             self.args.vllm_importance_sampling_clip_min,
                                             self.args.vllm_importance_sampling_clip_max)
                 self._metrics[mode]["mismatch/is_weight_mean"].append(float((weight * mask).sum() / mask.sum()))
+                self._metrics[mode]["is/corrected_fraction"].append(
+                    corrected_fraction(lr, mask, weight, self.args.vllm_importance_sampling_mode))
                 advantages = output["advantages"]
                 output["advantages"] = (advantages[:, None] if advantages.dim() == 1 else advantages) * weight
             return output
@@ -225,6 +227,30 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
         raise ValueError(f"importance-sampling mode {mode!r} is not one of trl's: "
                          "token_truncate, token_mask, sequence_truncate, sequence_mask.")
     return ratio.expand_as(log_ratio) * mask
+
+
+def importance_health(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How usable the raw weights π/μ of one batch are, token- and sequence-level (as verl logs them).
+
+    Under samples from μ, E_μ[π/μ] = 1 exactly, at every length, so a mean far from 1 is sampling
+    noise from a heavy tail. χ² = E_μ[(π/μ − 1)²] is the weight's variance; the effective sample
+    size (Σw)² / (N·Σw²), as a fraction of N, says how many sequences the weighted batch is worth.
+    """
+    tokens = (log_ratio.double().exp() - 1) * mask
+    count = mask.sum()
+    sequence = mismatch.sequence_log_ratio(log_ratio, mask).double().exp()
+    return {"token_weight_mean": float(1 + tokens.sum() / count), "token_chi2": float(tokens.square().sum() / count),
+            "seq_weight_mean": float(sequence.mean()), "seq_chi2": float((sequence - 1).square().mean()),
+            "ess": float(sequence.sum().square() / (len(sequence) * sequence.square().sum()))}
+
+
+def corrected_fraction(log_ratio: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, mode: str) -> float:
+    """Share of tokens (token modes) or sequences (sequence modes) whose weight truncation or masking changed."""
+    raw = (mismatch.sequence_log_ratio(log_ratio, mask)[:, None] if mode.startswith("sequence") else log_ratio).exp()
+    changed = ((weight - raw.expand_as(weight)).abs() > 1e-6 * raw.expand_as(weight)) & mask.bool()
+    if mode.startswith("sequence"):
+        return float(changed.any(-1).float().mean())
+    return float(changed.sum() / mask.sum())
 
 
 def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train_dtype: torch.dtype,

@@ -65,6 +65,24 @@ class MismatchPlan:
 
 
 @dataclass(frozen=True)
+class SamplerPlan:
+    """The sampler-precision chapter: offline dial, gradient bias, and the RL runs' evaluation."""
+
+    dial_sequences: int  # sequences per dial setting, each `dial_length` tokens long
+    dial_length: int
+    bias_prompts: int  # fixed prompts of the gradient-bias measurement
+    bias_group: int  # completions per prompt
+    bias_batches: int  # batches averaged per gradient
+    bits: int  # the coarse dial point every fix is compared at
+    seeds: int  # seeds of the decisive comparison in this profile's run
+    eval_problems: int  # held-out problems of the π-eval
+    eval_every: int  # steps between π-evals
+    collapse_margin: float  # π-eval accuracy lost, end vs start, that counts as a collapse
+    long_seeds: int  # seeds of the long run (make long)
+    long_eval_problems: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything a chapter may size by profile."""
 
@@ -78,6 +96,8 @@ class Profile:
     grpo: GrpoPlan  # QLoRA runs (LoRA learning rate)
     mismatch: MismatchPlan
     rl: GrpoPlan  # full fine-tuning runs that compare engine precisions
+    sampler: SamplerPlan
+    sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -98,6 +118,11 @@ PROFILES = {
         mismatch=MismatchPlan(sequences=96, min_len=32, max_len=1050, micro_batch=16),
         rl=GrpoPlan(steps=16, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=6, max_walk=14, prompts=256),
+        sampler=SamplerPlan(dial_sequences=4, dial_length=1000, bias_prompts=16, bias_group=4, bias_batches=6,
+                            bits=3, seeds=2, eval_problems=64, eval_every=5, collapse_margin=0.15,
+                            long_seeds=8, long_eval_problems=128),
+        sampler_rl=GrpoPlan(steps=20, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
+                            min_walk=6, max_walk=14, prompts=256),
     ),
     "gpu": Profile(
         name="gpu",
@@ -115,6 +140,11 @@ PROFILES = {
         mismatch=MismatchPlan(sequences=1024, min_len=64, max_len=4000, micro_batch=64),
         rl=GrpoPlan(steps=300, batch_size=64, num_generations=8, lr=1e-5, lora_rank=0,
                     min_walk=8, max_walk=24, prompts=4096),
+        sampler=SamplerPlan(dial_sequences=32, dial_length=1000, bias_prompts=32, bias_group=8, bias_batches=16,
+                            bits=3, seeds=4, eval_problems=512, eval_every=20, collapse_margin=0.15,
+                            long_seeds=8, long_eval_problems=1024),
+        sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
+                            min_walk=8, max_walk=24, prompts=4096),
     ),
 }
 

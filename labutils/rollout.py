@@ -77,10 +77,22 @@ class Rollout:
 
 
 class InferenceEngine:
-    """A private copy of the policy in `dtype` that samples with a KV cache."""
+    """A private copy of the policy in `dtype` that samples with a KV cache.
 
-    def __init__(self, model, dtype: torch.dtype, device: str = "cpu"):
+    `dial` (a `sampler_precision` name or Dial: fp8, fp8_channel, m2 … m10) makes the fp32 copy
+    compute like an FP8 or an emulated low-precision serving engine; see `sampler_precision`.
+    """
+
+    def __init__(self, model, dtype: torch.dtype, device: str = "cpu", dial=None):
+        from . import sampler_precision
+
+        self.dial = sampler_precision.parse(dial) if isinstance(dial, str) else dial
+        if self.dial is not None and DTYPES[self.dial.engine_dtype] != dtype:
+            raise ValueError(f"sampler precision {self.dial.name!r} runs on {self.dial.engine_dtype} weights, "
+                             f"not {dtype}; build the engine with sampler_precision.engine().")
         self.model = _fresh_copy(model, dtype, device)
+        if self.dial is not None:
+            self.dial.install(self.model)
         self.dtype, self.device = dtype, device
         config = self.model.config
         self.pad_id, self.eos_id = config.pad_token_id, config.eos_token_id
@@ -90,6 +102,8 @@ class InferenceEngine:
         """Load the trainer's current weights, cast to this engine's dtype (a weight sync)."""
         state = {k: v.detach().to(self.dtype) for k, v in _plain_state(model).items()}
         self.model.load_state_dict(state, strict=True)
+        if self.dial is not None:
+            self.dial.quantize_weights(self.model)
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], max_new_tokens, min_new_tokens=0,

@@ -1,0 +1,334 @@
+"""RL under a sampler-precision mismatch: GRPO runs whose sampler sits at a dial setting, the policy
+itself evaluated as it trains, collapses counted over seeds, and the policy-gradient bias measured
+without training.
+
+    python -m labutils.mismatch_rl long     # the long run of the decisive comparison (results/long/)
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import grpo, models, rollout, sampler_precision, task
+from .profiles import GrpoPlan, Profile
+
+CHAPTER = "05b_sampler_precision"
+TIS_CLIP = 2.0  # token-level TIS as Yao et al. run it
+LONG_RUN_FIX = "tis"  # the fix the long run carries: token-level TIS, the correction the paper compares FP16 against
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One RL run: the sampler's dial setting and the correction the trainer applies."""
+
+    name: str
+    sampler: str  # a sampler_precision name
+    fp32_head: bool = False
+    correction: dict = field(default_factory=dict)  # GRPOConfig importance-sampling options
+
+
+def trl_default(option: str):
+    """The installed trl's default for a GRPOConfig field (its MIS thresholds, for instance)."""
+    from trl import GRPOConfig
+
+    return next(f.default for f in dataclasses.fields(GRPOConfig) if f.name == option)
+
+
+def runs_at(bits: int) -> dict[str, RunSpec]:
+    """The uncorrected run with an emulated `bits`-bit sampler, the matched and bf16 baselines, and every fix."""
+    coarse = f"m{bits}"
+
+    def corrected(mode, clip_max, clip_min=None):
+        return dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                    vllm_importance_sampling_clip_max=clip_max, vllm_importance_sampling_clip_min=clip_min)
+
+    trl_max, trl_min = trl_default("vllm_importance_sampling_clip_max"), trl_default("vllm_importance_sampling_clip_min")
+    specs = [RunSpec("fp32", "fp32"), RunSpec("bf16", "bf16"), RunSpec(coarse, coarse),
+             RunSpec(f"{coarse}_tis", coarse, correction=corrected("token_truncate", TIS_CLIP)),
+             RunSpec(f"{coarse}_mis", coarse, correction=corrected("sequence_mask", trl_max, trl_min)),
+             RunSpec(f"{coarse}_seq_truncate", coarse, correction=corrected("sequence_truncate", trl_max)),
+             RunSpec(f"{coarse}_fp32_head", coarse, fp32_head=True)]
+    return {s.name: s for s in specs}
+
+
+def eval_problems(count: int, plan: GrpoPlan, seed: int = 0) -> list[task.Problem]:
+    """Held-out problems for the policy evaluation: the training walks, drawn from another stream."""
+    return task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk)
+
+
+def policy_eval(problems: list[task.Problem], every: int):
+    """A TrainerCallback that scores the trained policy itself (fp32, greedy) every `every` steps and at both ends."""
+    from transformers import TrainerCallback
+
+    class PolicyEval(TrainerCallback):
+        def __init__(self):
+            self.history: list[tuple[int, float]] = []
+
+        def _score(self, state, model, processing_class):
+            was_training = model.training
+            model.eval()
+            self.history.append((state.global_step, models.greedy_accuracy(model, processing_class, problems)))
+            model.train(was_training)
+
+        def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+            self._score(state, model, processing_class)
+
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            if state.global_step % every == 0 or state.global_step == state.max_steps:
+                self._score(state, model, processing_class)
+
+    return PolicyEval()
+
+
+def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan, seed: int,
+          problems: list[task.Problem], eval_every: int, output_dir: str) -> dict:
+    """One GRPO run (fp32 trainer, sampler at `spec`), returning its per-step curves and π-eval history."""
+    torch.manual_seed(seed)
+    model = copy.deepcopy(base_model)
+    device = profile.device
+    engine = sampler_precision.engine(model, spec.sampler, device, fp32_head=spec.fp32_head)
+    sampler = grpo.EngineRollout(engine, max_new_tokens=task.completion_length(plan.max_walk) + 1, seed=seed)
+    args = grpo.config(profile, f"{output_dir}/{spec.name}-s{seed}", seed=seed, plan=plan, **spec.correction)
+    trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan)
+    evaluator = policy_eval(problems, eval_every)
+    trainer.add_callback(evaluator)
+    start = time.perf_counter()
+    trainer.train()
+    history = trainer.state.log_history
+
+    def curve(key):
+        return [e[key] for e in history if key in e]
+
+    return {"seconds": time.perf_counter() - start, "reward": curve("reward"), "kl": curve("mismatch/k3"),
+            "grad_norm": curve("grad_norm"), "ess": curve("is/ess"), "token_chi2": curve("is/token_chi2"),
+            "seq_chi2": curve("is/seq_chi2"), "token_weight_mean": curve("is/token_weight_mean"),
+            "seq_weight_mean": curve("is/seq_weight_mean"), "corrected": curve("is/corrected_fraction"),
+            "eval_steps": [s for s, _ in evaluator.history], "eval": [a for _, a in evaluator.history]}
+
+
+def collapsed(eval_curve: list[float], margin: float) -> bool:
+    """A seed collapses when its π-eval accuracy ends `margin` or more below where it started."""
+    return eval_curve[-1] <= eval_curve[0] - margin
+
+
+def summarize(curves: list[dict], margin: float, last: int) -> dict:
+    """Per-run figures over seeds: final rollout and π-eval reward, mismatch, gradient norm, ESS, collapses."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    finals = [c["eval"][-1] for c in curves]
+    spread = (sum((f - mean(finals)) ** 2 for f in finals) / (len(finals) - 1)) ** 0.5 if len(finals) > 1 else float("nan")
+    return {"final_reward": mean([mean(c["reward"][-last:]) for c in curves]),
+            "final_eval_reward": mean(finals), "final_eval_std": spread,
+            "start_eval_reward": mean([c["eval"][0] for c in curves]),
+            "mean_kl": mean([mean(c["kl"]) for c in curves]),
+            "max_grad_norm": max(max(c["grad_norm"]) for c in curves),
+            "ess_mean": mean([mean(c["ess"]) for c in curves]),
+            "seq_chi2_mean": mean([mean(c["seq_chi2"]) for c in curves]),
+            "corrected_mean": mean([mean(c["corrected"]) for c in curves]) if curves[0]["corrected"] else 0.0,
+            "collapsed_seeds": sum(collapsed(c["eval"], margin) for c in curves), "seeds": len(curves),
+            "final_evals": finals}
+
+
+def compare(a: dict, b: dict) -> tuple[float, float]:
+    """(gap, noise): the difference of mean final π-eval accuracy b − a, and twice its standard error
+    from the seed spreads. A difference is claimed only where |gap| > noise."""
+    if a["seeds"] < 2 or b["seeds"] < 2:
+        return b["final_eval_reward"] - a["final_eval_reward"], float("inf")
+    se = (a["final_eval_std"] ** 2 / a["seeds"] + b["final_eval_std"] ** 2 / b["seeds"]) ** 0.5
+    return b["final_eval_reward"] - a["final_eval_reward"], 2 * se
+
+
+def verdict(summaries: dict, uncorrected: str, matched: str, fix: str) -> str:
+    """The decisive comparison's sentence, computed from the per-seed finals and collapse counts."""
+    u, m, f = summaries[uncorrected], summaries[matched], summaries[fix]
+    lines = []
+    for other, role in ((m, f"the matched fp32 sampler ({matched})"), (f, f"the best fix ({fix})")):
+        gap, noise = compare(u, other)
+        if abs(gap) > noise:
+            word = "ends higher than" if gap > 0 else "ends lower than"
+            lines.append(f"{role} {word} the uncorrected run by {abs(gap):.3f} π-eval accuracy, "
+                         f"beyond the seed noise (±{noise:.3f})")
+        else:
+            lines.append(f"{role} and the uncorrected run differ by {gap:+.3f}, within the seed noise (±{noise:.3f}): "
+                         "no difference is claimed")
+    counts = (f"collapsed seeds: uncorrected {u['collapsed_seeds']}/{u['seeds']}, matched {m['collapsed_seeds']}/"
+              f"{m['seeds']}, fix {f['collapsed_seeds']}/{f['seeds']}")
+    return "; ".join(lines) + f" ({counts})."
+
+
+def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, seed: int = 0,
+            device: str = "cpu") -> dict:
+    """Exact KL[μ‖π] of a sampler at each dial setting against the fp32 trainer, on sequences of `length`
+    tokens sampled by that sampler: per token, and summed along each sequence (averaged over sequences)."""
+    from . import mismatch
+
+    scorer = rollout.TrainingEngine(model, torch.float32, device)
+    found = {}
+    for name in settings:
+        engine = sampler_precision.engine(model, name, device)
+        sampled = engine.sample(prompts, length, length, keep_vocab=True,
+                                generator=torch.Generator(device).manual_seed(seed))
+        scored = scorer.score(sampled, keep_vocab=True)
+        per_token = mismatch.token_kl(sampled.vocab_logprobs, scored.vocab) * sampled.mask
+        found[name] = {"token_kl": float(per_token.sum() / sampled.mask.sum()),
+                       "seq_kl": float(per_token.sum(-1).mean()), "tokens": int(sampled.mask.sum()),
+                       "seconds": sampled.seconds}
+    return found
+
+
+def policy_gradient(model, engine, prompts: list[list[int]], answers: list[str], tokenizer, group: int,
+                    batches: int, max_new_tokens: int, seed: int) -> torch.Tensor:
+    """The GRPO policy gradient at fixed weights, averaged over `batches` batches sampled by `engine`.
+
+    Each prompt gets `group` completions; advantages are rewards minus the group mean over the group's
+    std (trl's default scaling); the loss is −Σ A·log π over tokens / tokens, on-policy (ratio 1), so
+    the gradient is E[A ∇log π] estimated on samples of whichever sampler `engine` is.
+    """
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    engine.sync(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    repeated = [p for p in prompts for _ in range(group)]
+    for _ in range(batches):
+        out = engine.sample(repeated, max_new_tokens, generator=generator)
+        texts = tokenizer.batch_decode([c for c in out.completions()], skip_special_tokens=True)
+        reward = torch.tensor([task.exact_match(t, a) for t, a in zip(texts, [a for a in answers for _ in range(group)])])
+        grouped = reward.view(-1, group)
+        advantage = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).flatten()
+        ids, mask, offsets = rollout.pack(out, torch.arange(len(repeated)), engine.pad_id)
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        steps = out.completion_ids.shape[1]
+        logp = torch.stack([torch.log_softmax(logits[i, o - 1:o - 1 + steps], -1)
+                            .gather(-1, out.completion_ids[i].clamp(min=0)[:, None]).squeeze(-1)
+                            for i, o in enumerate(offsets)])
+        loss = -(advantage[:, None] * logp * out.mask).sum() / out.mask.sum()
+        grads = torch.autograd.grad(loss, params)
+        for acc, g in zip(total, grads):
+            acc.add_(g, alpha=1 / batches)
+    return torch.cat([t.flatten() for t in total])
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: list[int], eval_count: int,
+               eval_every: int, margin: float, model_id: str | None = None, workers: int = 1,
+               progress=print) -> dict:
+    """Run every spec at every seed; returns {"curves": {run: [per seed]}, "summary": {run: figures}}.
+
+    With `workers` > 1 the runs go to that many processes of one torch thread each; every run is
+    seeded on its own, so the curves do not depend on how the runs were shared out.
+    """
+    jobs = [(spec, seed) for spec in specs for seed in seeds]
+    context = (profile, plan, eval_count, eval_every, model_id)
+    if workers > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            done = list(pool.map(_job, [(context, job) for job in jobs]))
+    else:
+        done = [_job((context, job)) for job in jobs]
+    curves: dict[str, list[dict]] = {}
+    for (spec, seed), result in zip(jobs, done):
+        curves.setdefault(spec.name, []).append(result)
+        progress(f"{spec.name} seed {seed}: π-eval {result['eval'][0]:.3f} → {result['eval'][-1]:.3f} "
+                 f"({result['seconds']:.0f} s)")
+    last = max(1, plan.steps // 4)
+    return {"curves": curves, "summary": {name: summarize(c, margin, last) for name, c in curves.items()}}
+
+
+_LOADED: dict = {}
+
+
+def _job(argument) -> dict:
+    """One (spec, seed) run; the model is loaded once per process."""
+    (profile, plan, eval_count, eval_every, model_id), (spec, seed) = argument
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    key = (model_id, profile.name)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = models.load(model_id, kind="dense", profile=profile, device=profile.device)
+    base, tokenizer = _LOADED[key]
+    output = tempfile.mkdtemp(prefix="mismatch-rl-")
+    return train(spec, base, tokenizer, profile, plan, seed, eval_problems(eval_count, plan), eval_every, output)
+
+
+def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int, eval_every: int,
+             margin: float, target: Path, workers: int = 1) -> Path:
+    """The decisive comparison, long: write `target` with the curves, figures and provenance."""
+    from . import env
+    from .profiles import PROFILES
+
+    profile = PROFILES["cpu"]
+    plan = dataclasses.replace(profile.sampler_rl, steps=steps)
+    specs = [runs_at(bits)[name] for name in runs]
+    start = time.perf_counter()
+    measured = comparison(profile, plan, specs, list(range(seeds)), eval_count, eval_every, margin, workers=workers)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    payload = {"chapter": CHAPTER, "kind": "long run", "profile": profile.name,
+               "seconds": round(time.perf_counter() - start, 1), "env": env.env_report(),
+               "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "cpu": _cpu_model(), "torch_threads": torch.get_num_threads(),
+               "parameters": {"plan": dataclasses.asdict(plan), "seeds": seeds, "runs": runs, "bits": bits,
+                              "eval_problems": eval_count, "eval_every": eval_every, "collapse_margin": margin,
+                              "workers": workers},
+               **measured}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    return target
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("command", choices=("long",))
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: 10× the CI run's)")
+    parser.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the profile's long_seeds)")
+    parser.add_argument("--runs", default=None, help="comma-separated run names (default: the decisive three)")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes, one torch thread each")
+    args = parser.parse_args(argv)
+    from .profiles import PROFILES
+
+    plan = PROFILES["cpu"].sampler
+    steps = args.steps or 10 * PROFILES["cpu"].sampler_rl.steps
+    runs = args.runs.split(",") if args.runs else [f"m{plan.bits}", "fp32", f"m{plan.bits}_{LONG_RUN_FIX}"]
+    target = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTER}.json"
+    path = long_run(steps, args.seeds or plan.long_seeds, runs, plan.bits, plan.long_eval_problems,
+                    max(1, steps // 10), plan.collapse_margin, target, args.workers)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    main()
