@@ -14,7 +14,8 @@ from .results import load_all
 
 CONFIRMED, CONTRADICTED = "confirmed", "contradicted"
 NOT_SUPPORTED, NOT_AT_SCALE = "not supported", "not reproducible at this scale"
-SOURCES = {"crash": "QLoRA GRPO crash article", "fp16": "FP16 RL mismatch article"}
+SOURCES = {"crash": "QLoRA GRPO crash article", "fp16": "FP16 RL mismatch article", "paper": "Qi et al. 2025",
+           "is": "TIS and MIS articles (Yao et al.; Liu et al. 2025)"}
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,29 @@ class Claim:
 
 def _pct(x):
     return f"{x:.1%}"
+
+
+def _degrades(basis, seeds, gap, noise, collapsed_u, collapsed_m, gap_b, noise_b, steps_b):
+    """BF16 RL degrades where FP16 does not: bf16 against fp32 as measured, then magnified to a 3-bit sampler."""
+    measured = (f"bf16 sampler vs fp32, {steps_b} steps: π-eval gap {gap_b:+.3f} (noise ±{noise_b:.3f}). "
+                f"Magnified to a 3-bit-mantissa sampler ({basis}, {seeds} seeds): matched ends {gap:+.3f} above "
+                f"uncorrected (noise ±{noise:.3f}); collapsed seeds {collapsed_u} uncorrected vs {collapsed_m} matched")
+    if gap > noise:
+        return measured, CONFIRMED + " (magnified: emulated 3-bit sampler)"
+    if gap < -noise:
+        return measured, CONTRADICTED
+    return measured, NOT_AT_SCALE
+
+
+def _restores(basis, fix, gap_m, noise_m, gap_f, noise_f):
+    """The corrections restore training: only where the uncorrected run degraded is there anything to restore."""
+    measured = (f"{basis}: uncorrected 3-bit sampler vs matched {gap_m:+.3f} (±{noise_m:.3f}); "
+                f"{fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}) π-eval accuracy")
+    if gap_m <= noise_m:
+        return measured, NOT_AT_SCALE + " (the uncorrected run did not degrade)"
+    if gap_f > noise_f:
+        return measured, CONFIRMED
+    return measured, CONTRADICTED if gap_f < -noise_f else NOT_SUPPORTED
 
 
 CLAIMS = [
@@ -125,6 +149,15 @@ CLAIMS = [
     Claim("fp16", "Gradient norm should stay in 0.5–5.0 and the loss scale in 2^14–2^16.", "", "03_loss_scaling",
           ("scaler.fast_growth.final_scale",),
           lambda scale: (f"the scale settles where the largest gradient allows (here up to {scale:g})", NOT_SUPPORTED)),
+    Claim("paper", "BF16 RL training degrades or collapses where FP16 does not.",
+          "Its BF16 runs degrade or collapse; its FP16 runs do not.", "05b_sampler_precision",
+          tuple(f"decisive.{k}" for k in ("basis", "seeds", "gap_matched", "noise_matched", "collapsed_uncorrected",
+                                          "collapsed_matched"))
+          + ("bf16_vs_fp32.gap", "bf16_vs_fp32.noise", "bf16_vs_fp32.steps"), _degrades),
+    Claim("is", "Importance-sampling corrections (token TIS, sequence MIS) restore training under the mismatch.",
+          "Its BF16 runs with these corrections train slower or less stably than FP16.", "05b_sampler_precision",
+          tuple(f"decisive.{k}" for k in ("basis", "fix", "gap_matched", "noise_matched", "gap_fix", "noise_fix")),
+          _restores),
     Claim("fp16", "FP16 trains faster than BF16 on A100/H100.", "", "05_grpo_precision",
           ("combo.fp16_fp16.tokens_per_s",),
           lambda tps: (f"not measurable without a GPU ({tps:.0f} tokens/s on this device)", NOT_AT_SCALE)),

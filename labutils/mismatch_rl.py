@@ -114,6 +114,7 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
             "grad_norm": curve("grad_norm"), "ess": curve("is/ess"), "token_chi2": curve("is/token_chi2"),
             "seq_chi2": curve("is/seq_chi2"), "token_weight_mean": curve("is/token_weight_mean"),
             "seq_weight_mean": curve("is/seq_weight_mean"), "corrected": curve("is/corrected_fraction"),
+            "length": curve("completions/mean_length"),
             "eval_steps": [s for s, _ in evaluator.history], "eval": [a for _, a in evaluator.history]}
 
 
@@ -169,9 +170,10 @@ def verdict(summaries: dict, uncorrected: str, matched: str, fix: str) -> str:
 
 
 def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, seed: int = 0,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", window: int = 100) -> dict:
     """Exact KL[μ‖π] of a sampler at each dial setting against the fp32 trainer, on sequences of `length`
-    tokens sampled by that sampler: per token, and summed along each sequence (averaged over sequences)."""
+    tokens sampled by that sampler: per token, per token within the first `window` tokens, and summed
+    along each sequence (averaged over sequences)."""
     from . import mismatch
 
     scorer = rollout.TrainingEngine(model, torch.float32, device)
@@ -183,6 +185,7 @@ def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, s
         scored = scorer.score(sampled, keep_vocab=True)
         per_token = mismatch.token_kl(sampled.vocab_logprobs, scored.vocab) * sampled.mask
         found[name] = {"token_kl": float(per_token.sum() / sampled.mask.sum()),
+                       "token_kl_window": float(per_token[:, :window].sum() / sampled.mask[:, :window].sum()),
                        "seq_kl": float(per_token.sum(-1).mean()), "tokens": int(sampled.mask.sum()),
                        "seconds": sampled.seconds}
     return found
@@ -190,34 +193,34 @@ def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, s
 
 def policy_gradient(model, engine, prompts: list[list[int]], answers: list[str], tokenizer, group: int,
                     batches: int, max_new_tokens: int, seed: int) -> torch.Tensor:
-    """The GRPO policy gradient at fixed weights, averaged over `batches` batches sampled by `engine`.
+    """The GRPO policy gradient at fixed weights, one row per batch sampled by `engine` ([batches, parameters]).
 
     Each prompt gets `group` completions; advantages are rewards minus the group mean over the group's
     std (trl's default scaling); the loss is −Σ A·log π over tokens / tokens, on-policy (ratio 1), so
-    the gradient is E[A ∇log π] estimated on samples of whichever sampler `engine` is.
+    each row estimates E[A ∇log π] on samples of whichever sampler `engine` is. Average the rows for
+    the gradient; their spread gives its standard error.
     """
     generator = torch.Generator(engine.device).manual_seed(seed)
     engine.sync(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
     repeated = [p for p in prompts for _ in range(group)]
+    targets = [a for a in answers for _ in range(group)]
+    rows = []
     for _ in range(batches):
         out = engine.sample(repeated, max_new_tokens, generator=generator)
-        texts = tokenizer.batch_decode([c for c in out.completions()], skip_special_tokens=True)
-        reward = torch.tensor([task.exact_match(t, a) for t, a in zip(texts, [a for a in answers for _ in range(group)])])
-        grouped = reward.view(-1, group)
+        texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
+        grouped = torch.tensor([task.exact_match(t, a) for t, a in zip(texts, targets)]).view(-1, group)
         advantage = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).flatten()
         ids, mask, offsets = rollout.pack(out, torch.arange(len(repeated)), engine.pad_id)
-        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        device = next(model.parameters()).device
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
         steps = out.completion_ids.shape[1]
         logp = torch.stack([torch.log_softmax(logits[i, o - 1:o - 1 + steps], -1)
                             .gather(-1, out.completion_ids[i].clamp(min=0)[:, None]).squeeze(-1)
                             for i, o in enumerate(offsets)])
         loss = -(advantage[:, None] * logp * out.mask).sum() / out.mask.sum()
-        grads = torch.autograd.grad(loss, params)
-        for acc, g in zip(total, grads):
-            acc.add_(g, alpha=1 / batches)
-    return torch.cat([t.flatten() for t in total])
+        rows.append(torch.cat([g.flatten().cpu() for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -226,6 +229,18 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def agreement(rows: torch.Tensor, reference: torch.Tensor) -> dict:
+    """Cosine and relative difference of the mean of `rows` against `reference`, with the cosine's
+    jackknife standard error over the rows (the reference held fixed)."""
+    mean = rows.mean(0)
+    count = rows.shape[0]
+    leave_one_out = [cosine((mean * count - row) / (count - 1), reference) for row in rows]
+    centre = sum(leave_one_out) / count
+    stderr = ((count - 1) / count * sum((c - centre) ** 2 for c in leave_one_out)) ** 0.5
+    return {"cosine": cosine(mean, reference), "cosine_stderr": stderr,
+            "relative_difference": relative_difference(mean, reference)}
 
 
 def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: list[int], eval_count: int,
@@ -269,7 +284,11 @@ def _job(argument) -> dict:
         _LOADED[key] = models.load(model_id, kind="dense", profile=profile, device=profile.device)
     base, tokenizer = _LOADED[key]
     output = tempfile.mkdtemp(prefix="mismatch-rl-")
-    return train(spec, base, tokenizer, profile, plan, seed, eval_problems(eval_count, plan), eval_every, output)
+    result = train(spec, base, tokenizer, profile, plan, seed, eval_problems(eval_count, plan), eval_every, output)
+    if os.environ.get("LAB_PROGRESS"):  # the long run reports each finished run as it goes
+        print(f"{spec.name} seed {seed}: π-eval {result['eval'][0]:.3f} → {result['eval'][-1]:.3f} "
+              f"({result['seconds']:.0f} s)", flush=True)
+    return result
 
 
 def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int, eval_every: int,
@@ -282,7 +301,9 @@ def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int
     plan = dataclasses.replace(profile.sampler_rl, steps=steps)
     specs = [runs_at(bits)[name] for name in runs]
     start = time.perf_counter()
-    measured = comparison(profile, plan, specs, list(range(seeds)), eval_count, eval_every, margin, workers=workers)
+    os.environ["LAB_PROGRESS"] = "1"
+    measured = comparison(profile, plan, specs, list(range(seeds)), eval_count, eval_every, margin, workers=workers,
+                          progress=lambda line: None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     payload = {"chapter": CHAPTER, "kind": "long run", "profile": profile.name,

@@ -26,10 +26,18 @@ def colour(name: str) -> str:
     return COLOURS.get(name, "#777777")
 
 
+class SavedFigure(type(Path())):
+    """A saved figure's path. As a cell's last value it displays nothing: a page shows the figure,
+    not a path on the machine that built it."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
 def save(fig, chapter: str, name: str) -> Path:
     """Save `fig` as `<results>/figures/<chapter>-<name>.png` and return the path."""
     folder = results_dir() / "figures"
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{chapter}-{name}.png"
+    path = SavedFigure(folder / f"{chapter}-{name}.png")
     fig.savefig(path, bbox_inches="tight")
     return path

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .profiles import BF16_MIN_CAPABILITY
+from .updates import min_adam_eps, v_flush_bound
 
 
 @dataclass(frozen=True)
@@ -120,14 +121,19 @@ def check(model, args, device: str | None = None, capability: tuple[int, int] | 
             "drop fp16 on the CPU, use bf16=True for CPU autocast, or make the fp16 compute explicit "
             "(weights loaded in float16, or autocast in a trainer subclass)."))
     eps = float(_value(args, "adam_epsilon", 1e-8))
-    if torch.float16 in dtypes and torch.tensor(eps, dtype=torch.float16).item() == 0.0:
+    beta2 = float(_value(args, "adam_beta2", 0.999))
+    floor = min_adam_eps(beta2)
+    if torch.float16 in dtypes and eps < floor:
+        eps_fp16 = torch.tensor(eps, dtype=torch.float16).item()
         findings.append(Finding(
             "adam_eps_underflow", "warning",
-            f"fp16 trainable parameters with Adam eps={eps:g}, which is 0 in fp16.",
-            "torch's Adam keeps its state in the parameter's dtype, so eps vanishes from "
-            "sqrt(v) + eps and updates of parameters with tiny second moments blow up.",
-            "keep trainable parameters (and so optimizer state) in float32, or raise eps to >= 1e-7 "
-            "(fp16's smallest subnormal is about 6e-8)."))
+            f"fp16 trainable parameters with Adam eps={eps:g} ({eps_fp16:g} in fp16), below {floor:.2g}.",
+            "torch's Adam keeps its state in the parameter's dtype. Its second moment v gains (1-beta2)*g^2 "
+            f"per step, which is 0 in fp16 for |g| <= {v_flush_bound(beta2):.2g} (beta2={beta2:g}); the step "
+            "is then lr*|m_hat|/eps, infinite when eps is 0 in fp16 and larger than lr whenever eps is below "
+            "that gradient bound.",
+            "keep trainable parameters (and so optimizer state) in float32; if the state must be fp16, "
+            f"use eps >= {floor:.2g}, which keeps such steps at or below lr."))
     return findings
 
 

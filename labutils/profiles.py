@@ -119,9 +119,9 @@ PROFILES = {
         rl=GrpoPlan(steps=16, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=6, max_walk=14, prompts=256),
         sampler=SamplerPlan(dial_sequences=4, dial_length=1000, bias_prompts=16, bias_group=4, bias_batches=6,
-                            bits=3, seeds=2, eval_problems=64, eval_every=5, collapse_margin=0.15,
+                            bits=3, seeds=2, eval_problems=64, eval_every=4, collapse_margin=0.15,
                             long_seeds=8, long_eval_problems=128),
-        sampler_rl=GrpoPlan(steps=20, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
+        sampler_rl=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
     ),
     "gpu": Profile(

@@ -3,13 +3,33 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
+from pathlib import Path
+
+
+def _display_path(obj, path: str) -> str:
+    """`path` relative to the folder holding `obj`'s top-level package (`trl/trainer/grpo_trainer.py`)."""
+    module = inspect.getmodule(obj)
+    top = sys.modules.get(module.__name__.partition(".")[0]) if module else None
+    top_file = getattr(top, "__file__", None)
+    if top_file:
+        top_path = Path(top_file).resolve()
+        base = top_path.parent.parent if top_path.name == "__init__.py" else top_path.parent
+        try:
+            return Path(path).resolve().relative_to(base).as_posix()
+        except ValueError:
+            pass
+    return Path(path).name
 
 
 def source_lines(obj, pattern: str, before: int = 0, after: int = 0) -> str:
-    """Lines of `obj`'s source matching the regex `pattern` (with context), prefixed by file:line."""
+    """Lines of `obj`'s source matching the regex `pattern` (with context), prefixed by file:line.
+
+    The file is named relative to its package's folder, as in `accelerate/accelerator.py`.
+    """
     obj = inspect.unwrap(obj)  # decorated functions (torch.no_grad, functools.wraps) show their own body
     lines, first = inspect.getsourcelines(obj)
-    path = inspect.getsourcefile(obj)
+    path = _display_path(obj, inspect.getsourcefile(obj))
     keep = set()
     for i, line in enumerate(lines):
         if re.search(pattern, line):

@@ -6,6 +6,8 @@ values 8× wider than fp16, so small learning rates lose far more updates in bf1
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -26,13 +28,39 @@ def adam_direction(optimizer, param: torch.Tensor) -> torch.Tensor | None:
     return m_hat / (v_hat.sqrt() + group["eps"])
 
 
-def adam_update(optimizer, param: torch.Tensor) -> torch.Tensor | None:
-    """The step AdamW meant to take for `param` (float64): lr · m̂/(√v̂+eps) + lr · weight_decay · w."""
+def adam_update(optimizer, param: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The step AdamW meant to take for `param` (float64): lr · m̂/(√v̂+eps) + lr · weight_decay · w.
+
+    Read after the step; w is the weight before it (`before`), or the current weight if not given.
+    """
     direction = adam_direction(optimizer, param)
     if direction is None:
         return None
     group = _group(getattr(optimizer, "optimizer", optimizer), param)
-    return group["lr"] * direction + group["lr"] * group["weight_decay"] * param.double()
+    weight = param if before is None else before
+    return group["lr"] * direction + group["lr"] * group["weight_decay"] * weight.double()
+
+
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """The smallest positive number `dtype` stores: its smallest normal times its eps."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps
+
+
+def v_flush_bound(beta2: float, dtype: torch.dtype = torch.float16) -> float:
+    """Largest |gradient| whose Adam second-moment increment (1−β₂)·g² rounds to zero in `dtype`.
+
+    A value at or below half the smallest subnormal rounds to zero (round to nearest, ties to even).
+    """
+    return math.sqrt(smallest_subnormal(dtype) / 2 / (1 - beta2))
+
+
+def min_adam_eps(beta2: float, dtype: torch.dtype = torch.float16, max_step_over_lr: float = 1.0) -> float:
+    """Smallest Adam eps that keeps a weight whose v flushed to zero from moving more than max_step_over_lr · lr.
+
+    With v = 0 the step is lr·|m̂|/eps, and |m̂| is at most the flush bound (larger gradients do not flush).
+    """
+    return v_flush_bound(beta2, dtype) / max_step_over_lr
 
 
 def _group(optimizer, param: torch.Tensor) -> dict:
@@ -61,7 +89,7 @@ def lost_update_counter():
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             meant = lost = small = 0
             for param, before in self._before.items():
-                update = adam_update(optimizer, param)
+                update = adam_update(optimizer, param, before)
                 if update is None:
                     continue
                 moving = update != 0

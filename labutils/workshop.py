@@ -12,8 +12,9 @@ PLAN = [
     ("The crash", 30, ["02_qlora_crash", "03_loss_scaling", "11_troubleshooting"],
      "reproduce the QLoRA GRPO error, trace it into the libraries, predict it with preflight"),
     ("Break", 15, [], ""),
-    ("The mismatch", 45, ["04_mismatch", "05_grpo_precision"],
-     "measure μ against π at 1,000+ tokens; run GRPO under precision pairs"),
+    ("The mismatch", 60, ["04_mismatch", "05_grpo_precision", "05b_sampler_precision"],
+     "measure μ against π at 1,000+ tokens; run GRPO under precision pairs; turn the sampler's "
+     "precision dial until RL on its samples degrades, and compare the fixes"),
     ("MoE and LoRA", 40, ["06_moe", "07_lora"],
      "count routing flips and lost LoRA updates"),
     ("Toolkit", 30, ["08_sensitive_ops", "09_fp8", "10_scaling_out"],
@@ -37,7 +38,7 @@ def page(root: Path) -> str:
     slowest = max(cpu, key=lambda stem: cpu[stem] or 0, default=None)
     return "\n".join([
         "# Workshop kit", "",
-        "A half-day plan (about three and a half hours). Minutes are for teaching and discussion; the run times "
+        f"A half-day plan ({sum(block[1] for block in PLAN)} minutes). Minutes are for teaching and discussion; the run times "
         "beside each chapter are this build's own measurements (`_build/results`), and GPU times "
         "come from committed reference runs (`results/gpu/`) when there are any.", "",
         "| block | minutes | chapters (run time) | what the room does |", "|---|---|---|---|", *rows, "",

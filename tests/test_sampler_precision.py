@@ -92,3 +92,80 @@ def test_mismatch_falls_as_mantissa_bits_rise(lab):
         scored = scorer.score(out, keep_vocab=True)
         kl[name] = mismatch.summary(out, scored.logprobs, scored.vocab)["token_kl"]
     assert kl["m2"] > kl["m4"] > kl["m7"] > kl["m10"] > kl["fp32"]
+
+
+def test_importance_health_on_a_known_batch():
+    from labutils import grpo
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    log_ratio = torch.tensor([[0.5, -0.5, 0.0], [0.0, 0.0, 0.0]])
+    health = grpo.importance_health(log_ratio, mask)
+    tokens = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.0]).exp()
+    assert health["token_weight_mean"] == pytest.approx(float(tokens.mean()))
+    assert health["token_chi2"] == pytest.approx(float((tokens - 1).square().mean()))
+    assert health["seq_weight_mean"] == pytest.approx(1.0) and health["seq_chi2"] == pytest.approx(0.0)
+    assert health["ess"] == pytest.approx(1.0)
+    skewed = grpo.importance_health(torch.tensor([[2.0], [0.0], [0.0], [0.0]]), torch.ones(4, 1))
+    w = torch.tensor([2.0, 0, 0, 0]).exp()
+    assert skewed["ess"] == pytest.approx(float(w.sum() ** 2 / (4 * w.square().sum())))
+
+
+def test_corrected_fraction_counts_what_the_correction_changed():
+    from labutils import grpo
+
+    mask = torch.ones(2, 2)
+    log_ratio = torch.log(torch.tensor([[3.0, 1.0], [0.5, 1.0]]))
+    token = grpo.importance_weights(log_ratio, mask, "token_truncate", None, 2.0)
+    assert grpo.corrected_fraction(log_ratio, mask, token, "token_truncate") == pytest.approx(0.25)
+    sequence = grpo.importance_weights(log_ratio, mask, "sequence_mask", 0.6, 2.0)  # weights 3 and 0.5: both masked
+    assert grpo.corrected_fraction(log_ratio, mask, sequence, "sequence_mask") == pytest.approx(1.0)
+    kept = grpo.importance_weights(log_ratio, mask, "sequence_mask", 0.4, 4.0)
+    assert grpo.corrected_fraction(log_ratio, mask, kept, "sequence_mask") == 0.0
+
+
+def _figures(finals, start=0.8):
+    from labutils import mismatch_rl
+
+    curves = [{"reward": [0.5], "eval": [start, f], "kl": [0.0], "grad_norm": [1.0], "ess": [1.0], "seq_chi2": [0.0],
+               "corrected": []} for f in finals]
+    return mismatch_rl.summarize(curves, margin=0.15, last=1)
+
+
+def test_verdict_claims_a_difference_only_beyond_the_seed_noise():
+    from labutils import mismatch_rl
+
+    collapsing = _figures([0.2, 0.3, 0.25, 0.2])
+    steady = _figures([0.85, 0.8, 0.9, 0.85])
+    noisy = _figures([0.9, 0.1, 0.8, 0.2])
+    assert collapsing["collapsed_seeds"] == 4 and steady["collapsed_seeds"] == 0
+    said = mismatch_rl.verdict({"m3": collapsing, "fp32": steady, "m3_tis": steady}, "m3", "fp32", "m3_tis")
+    assert "ends higher than the uncorrected run" in said and "no difference" not in said
+    said = mismatch_rl.verdict({"m3": noisy, "fp32": steady, "m3_tis": noisy}, "m3", "fp32", "m3_tis")
+    assert said.count("no difference is claimed") == 2
+    said = mismatch_rl.verdict({"m3": steady, "fp32": collapsing, "m3_tis": steady}, "m3", "fp32", "m3_tis")
+    assert "ends lower than the uncorrected run" in said
+
+
+def test_ledger_consequence_claims_turn_on_the_measurements():
+    from labutils import ledger
+
+    degrades, restores = (next(c for c in ledger.CLAIMS if c.chapter == "05b_sampler_precision" and key in c.says)
+                          for key in ("degrades", "restore"))
+    common = ("long run", 8)
+    assert degrades.judge(*common, 0.4, 0.1, 5, 0, 0.0, 0.1, 12)[1].startswith(ledger.CONFIRMED)
+    assert degrades.judge(*common, 0.05, 0.1, 1, 0, 0.0, 0.1, 12)[1] == ledger.NOT_AT_SCALE
+    assert degrades.judge(*common, -0.3, 0.1, 0, 0, 0.0, 0.1, 12)[1] == ledger.CONTRADICTED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.35, 0.1)[1] == ledger.CONFIRMED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.05, 0.1)[1] == ledger.NOT_SUPPORTED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, -0.3, 0.1)[1] == ledger.CONTRADICTED
+    assert restores.judge("long run", "m3_tis", 0.05, 0.1, 0.3, 0.1)[1].startswith(ledger.NOT_AT_SCALE)
+
+
+def test_gradient_agreement_and_its_jackknife_error():
+    from labutils import mismatch_rl
+
+    reference = torch.tensor([1.0, 0.0])
+    same = mismatch_rl.agreement(torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]]), reference)
+    assert same["cosine"] == pytest.approx(1.0) and same["cosine_stderr"] == pytest.approx(0.0, abs=1e-12)
+    spread = mismatch_rl.agreement(torch.tensor([[1.0, 1.0], [1.0, -1.0], [1.0, 0.5]]), reference)
+    assert spread["cosine_stderr"] > 0 and spread["relative_difference"] == pytest.approx(0.5 / 3)

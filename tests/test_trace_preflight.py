@@ -40,8 +40,26 @@ def test_quantized_model_predicted_before_the_trainer_casts():
 def test_fp16_trainables_under_a_scaler_and_eps_underflow():
     found = codes(_model(torch.float16), _args(fp16=True), device="cuda")
     assert found == ["adam_eps_underflow", "fp16_scaler_fp16_trainables"]
-    assert codes(_model(torch.float16), _args(fp16=True, adam_epsilon=1e-4), device="cuda") == \
+    # 1e-4 is representable in fp16 but still lets a flushed v take a step of 50 lr: flagged
+    assert "adam_eps_underflow" in codes(_model(torch.float16), _args(adam_epsilon=1e-4), device="cpu")
+    assert codes(_model(torch.float16), _args(fp16=True, adam_epsilon=1e-2), device="cuda") == \
         ["fp16_scaler_fp16_trainables"]
+
+
+def test_eps_floor_follows_beta2():
+    # the floor is sqrt(2^-25 / (1 - beta2)): 5.5e-3 at beta2 = 0.999, 7.7e-4 at 0.95
+    assert codes(_model(torch.float16), _args(adam_epsilon=1e-3, adam_beta2=0.95), device="cpu") == []
+    assert codes(_model(torch.float16), _args(adam_epsilon=1e-3, adam_beta2=0.999), device="cpu") == \
+        ["adam_eps_underflow"]
+    assert codes(_model(torch.float32), _args(adam_epsilon=1e-8), device="cpu") == []  # fp32 state: no floor
+
+
+def test_source_lines_names_files_inside_their_package():
+    import torch.optim
+
+    first = trace.source_lines(torch.optim.AdamW.__init__, r"eps").splitlines()[0]
+    assert first == "torch/optim/adamw.py"
+    assert trace.source_lines(trace.source_lines, r"getsourcelines").splitlines()[0] == "labutils/trace.py"
 
 
 def test_bf16_on_an_old_gpu():
