@@ -9,13 +9,17 @@ from . import mismatch, models, task
 from .profiles import GrpoPlan, Profile
 
 
-def task_dataset(profile: Profile, seed: int = 0, count: int | None = None, plan: GrpoPlan | None = None):
-    """A `datasets.Dataset` of prompts (column `prompt`) and true answers (column `answer`)."""
+def task_dataset(profile: Profile, seed: int = 0, count: int | None = None, plan: GrpoPlan | None = None,
+                 exclude: frozenset = frozenset()):
+    """A `datasets.Dataset` of prompts (column `prompt`) and true answers (column `answer`).
+
+    Problems in `exclude` (held-out evaluation problems) are never trained on.
+    """
     from datasets import Dataset
 
     plan = plan or profile.grpo
     problems = task.sample_problems(random.Random(20_000 + seed), count or plan.prompts,
-                                    plan.min_walk, plan.max_walk)
+                                    plan.min_walk, plan.max_walk, exclude=exclude)
     return Dataset.from_dict({"prompt": [p.prompt for p in problems], "answer": [p.answer for p in problems]})
 
 
@@ -70,13 +74,13 @@ def reward_curve(trainer) -> list[float]:
 
 
 def trainer(model, tokenizer, args, profile: Profile, seed: int = 0, peft_config=None, plan: GrpoPlan | None = None,
-            trainer_class=None, **extra):
+            trainer_class=None, exclude: frozenset = frozenset(), **extra):
     """trl's GRPOTrainer (or `trainer_class`) on the task, quiet (no per-step log printing)."""
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
     built = (trainer_class or GRPOTrainer)(model=model, reward_funcs=exact_match_reward, args=args,
-                                           train_dataset=task_dataset(profile, seed, plan=plan),
+                                           train_dataset=task_dataset(profile, seed, plan=plan, exclude=exclude),
                                            processing_class=tokenizer, peft_config=peft_config, **extra)
     built.remove_callback(PrinterCallback)
     return built
@@ -111,10 +115,114 @@ def train_measured(built, device: str, last: int = 4) -> dict:
     rewards = reward_curve(built)
     return {
         "peak_mem_mb": cost.peak_mem_mb, "mem_label": cost.mem_label, "seconds": cost.seconds,
+        "peak_reserved_mb": cost.peak_reserved_mb,
         "it_per_s": cost.rate(built.state.global_step), "tokens_per_s": cost.rate(tokens),
         "final_reward": sum(rewards[-last:]) / max(1, len(rewards[-last:])), "reward_curve": rewards,
         "grad_norm_curve": [entry["grad_norm"] for entry in history if "grad_norm" in entry],
     }
+
+
+def qlora_trainer(profile: Profile, output_dir: str, compute_dtype: torch.dtype, seed: int = 0,
+                  steps: int | None = None, model_id: str | None = None, **precision):
+    """A fresh 4-bit NF4 model with LoRA adapters in trl's GRPOTrainer; `precision` sets fp16/bf16."""
+    torch.manual_seed(seed)
+    model, tokenizer = load_4bit(profile, seed=seed, model_id=model_id, compute_dtype=compute_dtype)
+    args = config(profile, output_dir, seed=seed, steps=steps, **precision)
+    return trainer(model, tokenizer, args, profile, seed=seed, peft_config=lora_config(profile))
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class LoraDtypeProbe:
+    """Forward hooks on the first LoRA layer: the dtypes its frozen base path and its adapter path compute in.
+
+    peft's LoRA layer calls the base layer on the input as given, then casts the input to the
+    adapter's dtype before lora_A; the hooks read what each path really received and returned.
+    """
+
+    def __init__(self, model):
+        layer = next(m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer") and len(m.lora_A))
+        adapter = next(iter(layer.lora_A.values()))
+        self.seen: dict[str, set[str]] = {}
+        self.handles = [layer.base_layer.register_forward_hook(self._note("base")),
+                        adapter.register_forward_hook(self._note("lora"))]
+
+    def _note(self, path: str):
+        def hook(module, inputs, output):
+            self.seen.setdefault(f"{path}_input", set()).add(_dtype_name(inputs[0].dtype))
+            self.seen.setdefault(f"{path}_output", set()).add(_dtype_name(output.dtype))
+        return hook
+
+    def dtypes(self) -> dict[str, str]:
+        """{'base_input': 'float32', 'lora_input': 'bfloat16', ...}, comma-joined where several were seen."""
+        return {key: ",".join(sorted(values)) for key, values in sorted(self.seen.items())}
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def trainable_dtypes(model) -> str:
+    """The dtypes of a model's trainable parameters, comma-joined."""
+    return ",".join(sorted({_dtype_name(p.dtype) for p in model.parameters() if p.requires_grad}))
+
+
+def optimizer_state_dtypes(optimizer) -> str:
+    """The dtypes of the tensors an optimizer keeps per parameter (Adam's moments), comma-joined ('' before a step)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if inner is None:
+        return ""
+    return ",".join(sorted({_dtype_name(value.dtype) for state in inner.state.values() for key, value in state.items()
+                            if torch.is_tensor(value) and key != "step"}))
+
+
+def accelerate_precision(built) -> dict:
+    """What accelerate made of a trainer's fp16/bf16 flags, read off the live Accelerator."""
+    accelerator = built.accelerator
+    return {"mixed_precision": accelerator.mixed_precision, "autocast": accelerator.native_amp,
+            "scaler_class": type(accelerator.scaler).__name__ if accelerator.scaler is not None else "none"}
+
+
+def qlora_fix_run(profile: str, output_dir: str, compute_dtype: str, precision: dict, cast_to: str | None,
+                  seed: int = 0, steps: int | None = None, model_id: str | None = None) -> dict:
+    """Build, audit and train one QLoRA precision fix; a JSON-able record, meant for `measure.in_own_process`.
+
+    Records what accelerate built, the trainables as trl left them and after `cast_to`, the dtypes the
+    LoRA layer computed in, the Adam state, the preflight findings for a bf16-capable GPU, cost and rewards.
+    On a CPU `peak_mem_mb` is the process's peak RSS (so: one process per fix); on CUDA, max allocated.
+    """
+    from . import measure, preflight
+    from .profiles import check_parameters
+
+    chosen = check_parameters(profile, seed)
+    built = qlora_trainer(chosen, output_dir, getattr(torch, compute_dtype), seed=seed, steps=steps,
+                          model_id=model_id, **precision)
+    record = {**accelerate_precision(built), "trainables_built": trainable_dtypes(built.model)}
+    if cast_to:
+        cast_trainables(built.model, getattr(torch, cast_to))
+    record["trainables"] = trainable_dtypes(built.model)
+    state = [*built.model.parameters(), *built.model.buffers()]
+    record["model_mb"] = sum(t.numel() * t.element_size() for t in state) / 2**20  # 4-bit weights count packed
+    record["preflight_findings"] = [f.code for f in preflight.check(built.model, built.args, device="cuda",
+                                                                   capability=(8, 0))]
+    probe = LoraDtypeProbe(built.model)
+    record["rss_before_train_mb"] = measure.rss_mb()
+    try:
+        record.update(train_measured(built, chosen.device))
+        record["error"] = "none"
+    except RuntimeError as err:  # on CUDA a misconfigured fix crashes here; the record says how
+        nan = float("nan")
+        record.update(error=str(err).splitlines()[0], reward_curve=[], grad_norm_curve=[], final_reward=nan,
+                      seconds=nan, it_per_s=nan, tokens_per_s=nan, peak_mem_mb=nan, peak_reserved_mb=nan,
+                      mem_label="")
+    probe.remove()
+    record.update(probe.dtypes(), adam_state=optimizer_state_dtypes(built.optimizer),
+                  steps_done=built.state.global_step)
+    if chosen.device == "cpu":
+        record.update(peak_mem_mb=measure.process_peak_rss_mb(), mem_label="process peak RSS (VmHWM)")
+    return record
 
 
 class EngineRollout:
@@ -158,7 +266,32 @@ def _engine_trainer_class():
             self.train_dtype = train_dtype
             super().__init__(*args, **kwargs)
             self.logits_dtypes: set[str] = set()
+            self.own_loss_scaler = None  # set by add_loss_scaler where accelerate built none
             self.model.get_decoder().register_forward_hook(self._note_logits_dtype)
+
+        def add_loss_scaler(self, init_scale: float = 2.0**16):
+            """Give an fp16 engine the loss scaler accelerate builds only off the CPU; returns the scaler in use.
+
+            accelerate's `backward` scales the loss with `accelerator.scaler`, and the optimizer wrapper
+            it builds in `prepare` (inside `train()`) steps through it: it skips a step whose gradients
+            hold inf/NaN and updates the scale. accelerate unscales before clipping only in its own fp16
+            mode, so `training_step` does that here. bf16 and fp32 engines get none (nothing to underflow).
+            """
+            if self.train_dtype != torch.float16 or self.accelerator.scaler is not None:
+                return self.accelerator.scaler
+            self.own_loss_scaler = torch.amp.GradScaler(self.accelerator.device.type, init_scale=init_scale)
+            self.accelerator.scaler = self.own_loss_scaler
+            return self.own_loss_scaler
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            scaler = self.own_loss_scaler
+            if scaler is not None:  # the scale this step's backward uses; a drop at the next step marks a skipped step
+                self._metrics["train"]["loss_scale"].append(scaler.get_scale())
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if scaler is not None and self.accelerator.sync_gradients:
+                # true gradients before the trainer clips them and logs their norm; the step then reuses found_inf
+                scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
+            return loss
 
         def _note_logits_dtype(self, module, inputs, output):
             """Record the dtype trl's fused LM head computes the loss's logits in.
@@ -208,6 +341,38 @@ def _engine_trainer_class():
     return EngineGRPOTrainer
 
 
+def engine_trainer_class():
+    """The EngineGRPOTrainer class itself (built on first use, so importing labutils does not import trl)."""
+    return _engine_trainer_class()
+
+
+def gradient_snapshot(step: int = 0):
+    """A TrainerCallback keeping a copy of every trainable gradient just before optimizer step `step` (0: the first).
+
+    Two runs with the same seed sample the same first batch from the same weights, so their first
+    gradients differ only by how they were computed (e.g. fp16 with and without a loss scaler).
+    """
+    from transformers import TrainerCallback
+
+    class GradientSnapshot(TrainerCallback):
+        def __init__(self):
+            self.grads: dict[str, torch.Tensor] = {}
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if state.global_step == step:
+                self.grads = {name: p.grad.detach().float().cpu().clone() for name, p in model.named_parameters()
+                              if p.requires_grad and p.grad is not None}
+
+    return GradientSnapshot()
+
+
+def flushed_fraction(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """Share of the gradient entries nonzero in `reference` that are exactly zero in `grads`."""
+    nonzero = sum(int((reference[k] != 0).sum()) for k in reference)
+    flushed = sum(int(((grads[k] == 0) & (reference[k] != 0)).sum()) for k in reference)
+    return flushed / nonzero if nonzero else float("nan")
+
+
 def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str,
                        clip_min: float | None, clip_max: float | None) -> torch.Tensor:
     """Per-token weights π/μ with trl's modes: token_/sequence_ truncate (clip) or mask (zero outside).
@@ -254,13 +419,13 @@ def corrected_fraction(log_ratio: torch.Tensor, mask: torch.Tensor, weight: torc
 
 
 def engine_trainer(model, tokenizer, args, profile: Profile, rollout_func, train_dtype: torch.dtype,
-                   seed: int = 0, plan: GrpoPlan | None = None, peft_config=None):
+                   seed: int = 0, plan: GrpoPlan | None = None, peft_config=None, exclude: frozenset = frozenset()):
     """An EngineGRPOTrainer on the task, quiet; completions come from `rollout_func` (None: trl's own generate)."""
     import os
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in trl
     return trainer(model, tokenizer, args, profile, seed, peft_config, plan, trainer_class=_engine_trainer_class(),
-                   rollout_func=rollout_func, train_dtype=train_dtype)
+                   exclude=exclude, rollout_func=rollout_func, train_dtype=train_dtype)
 
 
 def routing_probe(prompt_ids: list[list[int]], lengths: torch.Tensor, dtype: torch.dtype, every: int,

@@ -1,10 +1,16 @@
 """Wall time, throughput and peak memory of a block of code, labelled by how memory was read."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -23,6 +29,7 @@ class Measurement:
     seconds: float = 0.0
     peak_mem_mb: float = 0.0
     mem_label: str = ""
+    peak_reserved_mb: float = float("nan")  # CUDA only: what the caching allocator held from the driver
 
     def rate(self, count: float) -> float:
         """`count` per second of wall time (iterations, tokens, ...)."""
@@ -41,6 +48,7 @@ def measure(device: str = "cpu", sample_every: float = 0.005):
         torch.cuda.synchronize()
         result.seconds = time.perf_counter() - start
         result.peak_mem_mb = torch.cuda.max_memory_allocated() / 2**20
+        result.peak_reserved_mb = torch.cuda.max_memory_reserved() / 2**20
         result.mem_label = "CUDA max allocated"
         return
     peak = [_rss_bytes()]
@@ -61,3 +69,40 @@ def measure(device: str = "cpu", sample_every: float = 0.005):
         sampler.join()
         result.peak_mem_mb = max(peak[0], _rss_bytes()) / 2**20
         result.mem_label = "CPU peak RSS (process)"
+
+
+def rss_mb() -> float:
+    """This process's resident set size now, in MiB."""
+    return _rss_bytes() / 2**20
+
+
+def process_peak_rss_mb() -> float:
+    """The kernel's high-water mark of this process's resident set (VmHWM), in MiB: exact, not sampled.
+
+    Not `getrusage().ru_maxrss`: Linux carries that across fork and exec, so a child started from a
+    large parent would report the parent's peak.
+    """
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**10  # the kernel reports kB
+    raise OSError("/proc/self/status has no VmHWM line; peak RSS is readable on Linux only.")
+
+
+def in_own_process(target: str, timeout: float | None = None, **kwargs) -> dict:
+    """`module:function(**kwargs)` called in a fresh Python process; returns its JSON-able result.
+
+    A fresh process per call makes its peak memory that call's alone, whatever ran before it.
+    """
+    root = Path(__file__).resolve().parent.parent
+    code = ("import importlib, json, sys; module, name = sys.argv[1].split(':'); "
+            "result = getattr(importlib.import_module(module), name)(**json.loads(sys.argv[2])); "
+            "open(sys.argv[3], 'w').write(json.dumps(result))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        done = subprocess.run([sys.executable, "-c", code, target, json.dumps(kwargs), str(out)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{target} failed in its own process (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())

@@ -8,9 +8,11 @@ token-level KL[μ‖π] are (Schulman's k1, k2, k3):
     k3 = (r - 1) - log r   unbiased and always >= 0
 
 With both distributions over the whole vocabulary the token KL is exact: Σ_v μ_v (log μ_v - log π_v).
-Summed over a sequence, log π(y) - log μ(y) = Σ_t log r_t is the sequence log-ratio, the quantity
-an importance weight is made of. Its mean is minus the sequence-level KL[μ‖π], so it drifts down
-linearly with length: the fitted slope is a bias per token, not a variance.
+Summed over a sequence, log π(y) - log μ(y) = Σ_t log r_t is the sequence log-ratio. Its mean is
+minus the sequence-level KL[μ‖π], so it drifts down linearly with length: the fitted slope is a
+mean per token, not a variance. The importance weight w = π(y)/μ(y) built from it behaves
+differently: E_μ[w] = 1 exactly at every length, its variance is Π_t (1 + χ²_t) - 1 ≈ (1 + χ²)^n - 1
+(exponential in n), and its median falls like exp(-n·KL).
 """
 from __future__ import annotations
 
@@ -31,9 +33,27 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / count)
 
 
+def stderr(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Standard error of the mean of `values` over real tokens: sample std / √count, tokens taken as independent."""
+    kept = values.double()[mask.bool()]
+    if kept.numel() < 2:
+        raise ValueError("a standard error needs at least two real tokens.")
+    return float(kept.std() / kept.numel() ** 0.5)
+
+
+def _k3_values(ratio_log: torch.Tensor) -> torch.Tensor:
+    lr = ratio_log.double()  # float64, so tiny values do not cancel to zero
+    return torch.expm1(lr) - lr
+
+
 def k1(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of -log r over real tokens."""
     return _masked_mean(-ratio_log, mask)
+
+
+def k1_stderr(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """Standard error of k1: how far the sampled tokens alone can pin the KL down."""
+    return stderr(-ratio_log, mask)
 
 
 def k2(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
@@ -43,8 +63,12 @@ def k2(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
 
 def k3(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean of (r - 1) - log r over real tokens (float64, so tiny values do not cancel to zero)."""
-    lr = ratio_log.double()
-    return _masked_mean(torch.expm1(lr) - lr, mask.double())
+    return _masked_mean(_k3_values(ratio_log), mask.double())
+
+
+def k3_stderr(ratio_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """Standard error of k3."""
+    return stderr(_k3_values(ratio_log), mask)
 
 
 def token_kl(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tensor:
@@ -55,6 +79,16 @@ def token_kl(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tens
     mu = infer_vocab.double().exp()
     gap = (infer_vocab.double() - train_vocab.double()).masked_fill(mu == 0, 0.0)
     return (mu * gap).sum(-1)
+
+
+def token_chi2(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tensor:
+    """Exact χ²(π‖μ) = Σ_v μ_v (π_v/μ_v - 1)² = E_μ[r²] - 1 at every position, [..., V] -> [...].
+
+    The importance weight's second moment per token; entries μ gives zero probability contribute nothing.
+    """
+    mu = infer_vocab.double().exp()
+    gap = (train_vocab.double() - infer_vocab.double()).masked_fill(mu == 0, 0.0)
+    return (mu * torch.expm1(gap).square()).sum(-1)
 
 
 def sequence_log_ratio(ratio_log: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -98,6 +132,29 @@ def by_length(lengths: torch.Tensor, values: torch.Tensor, edges: list[int]) -> 
     return rows
 
 
+def importance_weights_by_length(lengths: torch.Tensor, seq_log_ratio: torch.Tensor, edges: list[int],
+                                 token_kl: float, token_chi2: float) -> list[dict]:
+    """The weight w = exp(seq_log_ratio) per length bucket [edges[i], edges[i+1]), beside its predictions.
+
+    Measured: count, mean length n̄, mean w and its standard error, variance and median of w.
+    Predicted for independent tokens: median exp(-n̄·KL), variance (1 + χ²)^n̄ - 1 (the mean is 1).
+    """
+    weights, lengths = seq_log_ratio.double().exp(), lengths.double()
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (lengths >= lo) & (lengths < hi)
+        w, count = weights[inside], int(inside.sum())
+        n = float(lengths[inside].mean()) if count else float("nan")
+        variance = float(w.var()) if count > 1 else float("nan")
+        rows.append({"from": lo, "to": hi, "count": count, "mean_length": n,
+                     "mean": float(w.mean()) if count else float("nan"),
+                     "mean_stderr": (variance / count) ** 0.5 if count > 1 else float("nan"),
+                     "variance": variance, "median": float(w.quantile(0.5)) if count else float("nan"),
+                     "predicted_median": float(torch.tensor(-n * token_kl, dtype=torch.float64).exp()),
+                     "predicted_variance": float(torch.tensor(token_chi2, dtype=torch.float64).log1p().mul(n).expm1())})
+    return rows
+
+
 def by_position(per_token: torch.Tensor, mask: torch.Tensor, edges: list[int]) -> list[float]:
     """Mean of a per-token value over real tokens at positions [edges[i], edges[i+1]) of the completion."""
     out = []
@@ -108,12 +165,14 @@ def by_position(per_token: torch.Tensor, mask: torch.Tensor, edges: list[int]) -
 
 
 def summary(rollout, train_logprobs: torch.Tensor, train_vocab: torch.Tensor | None = None) -> dict:
-    """Every measure of one (μ, π) pair: token estimators, exact KL, sequence log-ratios, length fit."""
+    """Every measure of one (μ, π) pair: token estimators and their standard errors, exact KL and χ²,
+    sequence log-ratios, length fit."""
     mask = rollout.mask
     lr = log_ratio(train_logprobs, rollout.logprobs, mask)
     seq = sequence_log_ratio(lr, mask)
     lengths = rollout.lengths
     out = {"k1": k1(lr, mask), "k2": k2(lr, mask), "k3": k3(lr, mask),
+           "k1_stderr": k1_stderr(lr, mask), "k3_stderr": k3_stderr(lr, mask),
            "max_abs_token_log_ratio": float(lr.abs().max()),
            "seq_log_ratio_mean": float(seq.mean()), "seq_log_ratio_std": float(seq.std()),
            "tokens": int(mask.sum())}
@@ -121,10 +180,9 @@ def summary(rollout, train_logprobs: torch.Tensor, train_vocab: torch.Tensor | N
         per_token = token_kl(rollout.vocab_logprobs, train_vocab) * mask
         out["token_kl"] = float(per_token.sum() / mask.sum())
         out["kl"] = float(per_token.sum(-1).mean())  # sequence-level KL[μ‖π], averaged over sequences
+        out["token_chi2"] = float((token_chi2(rollout.vocab_logprobs, train_vocab) * mask).sum() / mask.sum())
     if not bool((lengths == lengths[0]).all()):
         fit = length_fit(lengths, seq)
         out.update(slope_per_1k=fit.slope_per_1k, slope_stderr_per_1k=fit.stderr_per_1k,
                    intercept=fit.intercept, r2=fit.r2)
-        if "kl" in out:  # the line the sampled log-ratios scatter around: minus the summed exact KL
-            out["drift_slope_per_1k"] = length_fit(lengths, -per_token.sum(-1)).slope_per_1k
     return out

@@ -25,7 +25,12 @@ from .profiles import GrpoPlan, Profile
 
 CHAPTER = "05b_sampler_precision"
 TIS_CLIP = 2.0  # token-level TIS as Yao et al. run it
-LONG_RUN_FIX = "tis"  # the fix the long run carries: token-level TIS, the correction the paper compares FP16 against
+FIX = "tis"  # the pre-registered fix of the decisive comparison: token-level TIS, which the paper compares FP16 against
+
+
+def roles(bits: int) -> dict[str, str]:
+    """The runs of the decisive comparison by role, for a coarse sampler of `bits` mantissa bits."""
+    return {"uncorrected": f"m{bits}", "matched": "fp32", "fix": f"m{bits}_{FIX}", "bf16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,9 @@ def runs_at(bits: int) -> dict[str, RunSpec]:
 
 
 def eval_problems(count: int, plan: GrpoPlan, seed: int = 0) -> list[task.Problem]:
-    """Held-out problems for the policy evaluation: the training walks, drawn from another stream."""
-    return task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk)
+    """Held-out problems for the policy evaluation: distinct walks of the training lengths, which the
+    training dataset then excludes (pass them as `exclude` to the trainer)."""
+    return task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk, distinct=True)
 
 
 def policy_eval(problems: list[task.Problem], every: int):
@@ -100,7 +106,8 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
     engine = sampler_precision.engine(model, spec.sampler, device, fp32_head=spec.fp32_head)
     sampler = grpo.EngineRollout(engine, max_new_tokens=task.completion_length(plan.max_walk) + 1, seed=seed)
     args = grpo.config(profile, f"{output_dir}/{spec.name}-s{seed}", seed=seed, plan=plan, **spec.correction)
-    trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan)
+    trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan,
+                                  exclude=frozenset(problems))  # π-eval problems are never trained on
     evaluator = policy_eval(problems, eval_every)
     trainer.add_callback(evaluator)
     start = time.perf_counter()
@@ -114,7 +121,7 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
             "grad_norm": curve("grad_norm"), "ess": curve("is/ess"), "token_chi2": curve("is/token_chi2"),
             "seq_chi2": curve("is/seq_chi2"), "token_weight_mean": curve("is/token_weight_mean"),
             "seq_weight_mean": curve("is/seq_weight_mean"), "corrected": curve("is/corrected_fraction"),
-            "length": curve("completions/mean_length"),
+            "length": curve("completions/mean_length"), "eval_problems": len(problems),
             "eval_steps": [s for s, _ in evaluator.history], "eval": [a for _, a in evaluator.history]}
 
 
@@ -139,33 +146,47 @@ def summarize(curves: list[dict], margin: float, last: int) -> dict:
             "seq_chi2_mean": mean([mean(c["seq_chi2"]) for c in curves]),
             "corrected_mean": mean([mean(c["corrected"]) for c in curves]) if curves[0]["corrected"] else 0.0,
             "collapsed_seeds": sum(collapsed(c["eval"], margin) for c in curves), "seeds": len(curves),
-            "final_evals": finals}
+            "final_evals": finals, "eval_problems": curves[0].get("eval_problems", 0)}
 
 
-def compare(a: dict, b: dict) -> tuple[float, float]:
-    """(gap, noise): the difference of mean final π-eval accuracy b − a, and twice its standard error
-    from the seed spreads. A difference is claimed only where |gap| > noise."""
-    if a["seeds"] < 2 or b["seeds"] < 2:
-        return b["final_eval_reward"] - a["final_eval_reward"], float("inf")
-    se = (a["final_eval_std"] ** 2 / a["seeds"] + b["final_eval_std"] ** 2 / b["seeds"]) ** 0.5
-    return b["final_eval_reward"] - a["final_eval_reward"], 2 * se
+def compare(a: dict, b: dict, level: float = 0.95) -> tuple[float, float]:
+    """(gap, threshold) for final π-eval accuracy, b − a.
+
+    The arms share their seeds (data order, initial weights, sampler stream), so the gap is the mean
+    of the per-seed differences, and the threshold is the half-width of its `level` t interval. Its
+    standard error is floored at the binomial noise of evaluating on a finite problem set, so tied
+    seeds cannot make the noise vanish. A difference is claimed only where |gap| > threshold.
+    """
+    from scipy import stats
+
+    pairs = list(zip(a["final_evals"], b["final_evals"]))
+    n = len(pairs)
+    diffs = [y - x for x, y in pairs]
+    gap = sum(diffs) / n
+    if n < 2:
+        return gap, float("inf")
+    spread = (sum((d - gap) ** 2 for d in diffs) / (n - 1)) ** 0.5 / n ** 0.5
+    problems = max(1, min(a.get("eval_problems", 0), b.get("eval_problems", 0)))
+    pa, pb = a["final_eval_reward"], b["final_eval_reward"]
+    binomial = ((pa * (1 - pa) + pb * (1 - pb)) / problems / n) ** 0.5
+    return gap, float(stats.t.ppf(0.5 + level / 2, n - 1)) * max(spread, binomial)
 
 
-def verdict(summaries: dict, uncorrected: str, matched: str, fix: str) -> str:
+def verdict(summaries: dict, uncorrected: str, matched: str, fix: str, fix_role: str = "the fix") -> str:
     """The decisive comparison's sentence, computed from the per-seed finals and collapse counts."""
     u, m, f = summaries[uncorrected], summaries[matched], summaries[fix]
     lines = []
-    for other, role in ((m, f"the matched fp32 sampler ({matched})"), (f, f"the best fix ({fix})")):
+    for other, role in ((m, f"the matched sampler ({matched})"), (f, f"{fix_role} ({fix})")):
         gap, noise = compare(u, other)
         if abs(gap) > noise:
             word = "ends higher than" if gap > 0 else "ends lower than"
-            lines.append(f"{role} {word} the uncorrected run by {abs(gap):.3f} π-eval accuracy, "
-                         f"beyond the seed noise (±{noise:.3f})")
+            lines.append(f"{role} {word} the uncorrected run ({uncorrected}) by {abs(gap):.3f} π-eval accuracy, "
+                         f"beyond the seed noise (±{noise:.3f}, 95% over {u['seeds']} paired seeds)")
         else:
-            lines.append(f"{role} and the uncorrected run differ by {gap:+.3f}, within the seed noise (±{noise:.3f}): "
-                         "no difference is claimed")
+            lines.append(f"{role} and the uncorrected run ({uncorrected}) differ by {gap:+.3f}, within the seed "
+                         f"noise (±{noise:.3f}, 95% over {u['seeds']} paired seeds): no difference is claimed")
     counts = (f"collapsed seeds: uncorrected {u['collapsed_seeds']}/{u['seeds']}, matched {m['collapsed_seeds']}/"
-              f"{m['seeds']}, fix {f['collapsed_seeds']}/{f['seeds']}")
+              f"{m['seeds']}, {fix} {f['collapsed_seeds']}/{f['seeds']}")
     return "; ".join(lines) + f" ({counts})."
 
 
@@ -186,7 +207,9 @@ def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, s
         per_token = mismatch.token_kl(sampled.vocab_logprobs, scored.vocab) * sampled.mask
         found[name] = {"token_kl": float(per_token.sum() / sampled.mask.sum()),
                        "token_kl_window": float(per_token[:, :window].sum() / sampled.mask[:, :window].sum()),
-                       "seq_kl": float(per_token.sum(-1).mean()), "tokens": int(sampled.mask.sum()),
+                       "seq_kl": float(per_token.sum(-1).mean()),
+                       "seq_kl_stderr": float(per_token.sum(-1).std() / len(prompts) ** 0.5) if len(prompts) > 1 else float("nan"),
+                       "tokens": int(sampled.mask.sum()),
                        "seconds": sampled.seconds}
     return found
 
@@ -243,6 +266,33 @@ def agreement(rows: torch.Tensor, reference: torch.Tensor) -> dict:
             "relative_difference": relative_difference(mean, reference)}
 
 
+def paired_bias(rows: torch.Tensor, baseline: torch.Tensor) -> dict:
+    """The squared bias of a sampler's policy gradient, relative to π's, from batches paired with π's.
+
+    `rows` and `baseline` are per-batch gradients ([batches, parameters]) drawn with the same random
+    numbers, from the sampler under test and from π. With d_b their difference, ‖d̄‖² overstates
+    ‖E d‖² by the noise tr Cov(d)/B; subtracting it leaves an unbiased estimate of the squared bias.
+    The same correction gives ‖E g_π‖², and the ratio is the squared bias relative to the gradient.
+    Its standard error is a jackknife over the batch pairs.
+    """
+    def squared_mean(x):  # unbiased estimate of ‖E x‖² from rows x_b
+        count = x.shape[0]
+        mean = x.mean(0)
+        noise = (x - mean).square().sum() / (count - 1) / count
+        return float(mean.square().sum() - noise)
+
+    d, g = (rows - baseline).double(), baseline.double()
+    count = d.shape[0]
+    if count < 3:
+        raise ValueError("a paired bias estimate needs at least 3 batches.")
+    ratio = squared_mean(d) / squared_mean(g)
+    keep = [torch.arange(count) != i for i in range(count)]
+    leave_one_out = [squared_mean(d[k]) / squared_mean(g[k]) for k in keep]
+    centre = sum(leave_one_out) / count
+    stderr = ((count - 1) / count * sum((v - centre) ** 2 for v in leave_one_out)) ** 0.5
+    return {"relative_bias_sq": ratio, "relative_bias_sq_stderr": stderr}
+
+
 def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: list[int], eval_count: int,
                eval_every: int, margin: float, model_id: str | None = None, workers: int = 1,
                progress=print) -> dict:
@@ -291,7 +341,7 @@ def _job(argument) -> dict:
     return result
 
 
-def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int, eval_every: int,
+def long_run(steps: int, seeds: int, bits: int, eval_count: int, eval_every: int,
              margin: float, target: Path, workers: int = 1) -> Path:
     """The decisive comparison, long: write `target` with the curves, figures and provenance."""
     from . import env
@@ -299,6 +349,8 @@ def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int
 
     profile = PROFILES["cpu"]
     plan = dataclasses.replace(profile.sampler_rl, steps=steps)
+    by_role = roles(bits)
+    runs = list(by_role.values())
     specs = [runs_at(bits)[name] for name in runs]
     start = time.perf_counter()
     os.environ["LAB_PROGRESS"] = "1"
@@ -310,7 +362,7 @@ def long_run(steps: int, seeds: int, runs: list[str], bits: int, eval_count: int
                "seconds": round(time.perf_counter() - start, 1), "env": env.env_report(),
                "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "cpu": _cpu_model(), "torch_threads": torch.get_num_threads(),
-               "parameters": {"plan": dataclasses.asdict(plan), "seeds": seeds, "runs": runs, "bits": bits,
+               "parameters": {"plan": dataclasses.asdict(plan), "seeds": seeds, "roles": by_role, "bits": bits,
                               "eval_problems": eval_count, "eval_every": eval_every, "collapse_margin": margin,
                               "workers": workers},
                **measured}
@@ -334,18 +386,16 @@ def _cpu_model() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("command", choices=("long",))
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: 10× the CI run's)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: the profile's long_steps)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the profile's long_seeds)")
-    parser.add_argument("--runs", default=None, help="comma-separated run names (default: the decisive three)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes, one torch thread each")
     args = parser.parse_args(argv)
     from .profiles import PROFILES
 
     plan = PROFILES["cpu"].sampler
-    steps = args.steps or 10 * PROFILES["cpu"].sampler_rl.steps
-    runs = args.runs.split(",") if args.runs else [f"m{plan.bits}", "fp32", f"m{plan.bits}_{LONG_RUN_FIX}"]
+    steps = args.steps or plan.long_steps
     target = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTER}.json"
-    path = long_run(steps, args.seeds or plan.long_seeds, runs, plan.bits, plan.long_eval_problems,
+    path = long_run(steps, args.seeds or plan.long_seeds, plan.bits, plan.long_eval_problems,
                     max(1, steps // 10), plan.collapse_margin, target, args.workers)
     print(f"wrote {path}")
 

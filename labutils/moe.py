@@ -82,3 +82,44 @@ def flip_rate(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     if total == 0:
         raise ValueError("the mask selects no tokens; there are no routing decisions to compare.")
     return int(decisions.sum()) / total
+
+
+class RoutingReplay:
+    """While active, each router keeps the experts another engine chose (rollout routing replay).
+
+    `plan(indices)` sets, per layer, the experts to use for every token of the next forward
+    ([tokens, k], -1 where the router should choose itself). The router still scores every expert;
+    the replayed experts' weights are its own probabilities for them, renormalised, so gradients
+    flow through the router as usual and only the discrete choice is taken from the sampler.
+    """
+
+    def __init__(self, model):
+        self.modules = routers(model)
+        self.indices: list[torch.Tensor | None] = [None] * len(self.modules)
+        self._handles = []
+
+    def plan(self, indices: list[torch.Tensor]) -> None:
+        self.indices = list(indices)
+
+    def __enter__(self):
+        for layer, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._replay(layer)))
+        return self
+
+    def _replay(self, layer):
+        def hook(module, inputs, output):
+            chosen = self.indices[layer]
+            if chosen is None:
+                return output
+            logits, scores, indices = output
+            chosen = chosen.to(indices.device)
+            keep = (chosen >= 0).all(-1, keepdim=True)
+            indices = torch.where(keep, chosen.clamp(min=0), indices)
+            probs = torch.softmax(logits.float(), dim=-1).gather(-1, indices)
+            return logits, (probs / probs.sum(-1, keepdim=True)).to(scores.dtype), indices
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -62,8 +62,8 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     stamp = executed.with_suffix(".fingerprint")
     results_file = build / "results" / f"{stem}.json"
     key = fingerprint(stem, params, root)
-    if not force and executed.is_file() and results_file.is_file() and stamp.is_file() \
-            and stamp.read_text() == key:
+    if not force and executed.is_file() and stamp.is_file() and stamp.read_text() == key \
+            and results_fingerprint(results_file) == key:
         print(f"{stem}: unchanged, not executed again")
         return executed
     plain = build / "notebooks" / f"{stem}.ipynb"
@@ -74,12 +74,14 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     jupytext.write(notebook, plain)
     stamp.unlink(missing_ok=True)
     os.environ["LAB_RESULTS_DIR"] = str(build / "results")
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.time()
     try:
         papermill.execute_notebook(str(plain), str(executed), parameters=params, kernel_name="python3",
                                    cwd=str(root), progress_bar=False)
     except papermill.PapermillExecutionError:
         _accept_expected_errors(executed)  # re-raises unless every error is in a `raises-exception` cell
+    _check_required_errors(executed, _device(params["profile"]))
+    _sign_results(results_file, key, since=began - 1)
     stamp.write_text(key)
     print(f"{stem}: executed in {time.perf_counter() - start:.1f} s ({params})")
     return executed
@@ -102,6 +104,47 @@ def _accept_expected_errors(executed: Path) -> None:
             raise ChapterError(f"{executed.name}: a cell not tagged raises-exception failed with "
                                f"{errors[0].ename}: {errors[0].evalue}\n--- cell ---\n{cell.source}")
     nbformat.write(notebook, executed)
+
+
+def results_fingerprint(path: Path) -> str | None:
+    """The fingerprint a results file was signed with by the run that wrote it (None if unsigned or absent)."""
+    try:
+        return json.loads(path.read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        return None
+
+
+def _sign_results(path: Path, key: str, since: float) -> None:
+    """Mark the results this execution wrote as belonging to this source and these parameters."""
+    if not path.is_file() or path.stat().st_mtime < since:
+        raise ChapterError(f"{path.name} was not written by this execution: the chapter must end with run.save().")
+    data = json.loads(path.read_text())
+    data["fingerprint"] = key
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+REQUIRED = {"error-required": ("cpu", "cuda"), "error-required-cuda": ("cuda",), "error-required-cpu": ("cpu",)}
+
+
+def _device(profile: str) -> str:
+    """The device a chapter computes on in `profile`."""
+    from . import profiles
+
+    return profiles.PROFILES[profile].device if profile in profiles.PROFILES else "cpu"
+
+
+def _check_required_errors(executed: Path, device: str) -> None:
+    """A cell tagged `error-required` (or `-cuda`, `-cpu`) must have raised on this device: a cell that
+    shows an error only where it should cannot silently stop showing it."""
+    import nbformat
+
+    notebook = nbformat.read(executed, as_version=4)
+    for index, cell in enumerate(notebook.cells):
+        tags = cell.metadata.get("tags", [])
+        required = [t for t in tags if t in REQUIRED and device in REQUIRED[t]]
+        if required and not any(o.output_type == "error" for o in cell.get("outputs", [])):
+            raise ChapterError(f"{executed.name}: cell {index} is tagged {required[0]} but raised nothing on "
+                               f"{device}\n--- cell ---\n{cell.source}")
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:

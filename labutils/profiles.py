@@ -79,6 +79,7 @@ class SamplerPlan:
     eval_every: int  # steps between π-evals
     collapse_margin: float  # π-eval accuracy lost, end vs start, that counts as a collapse
     long_seeds: int  # seeds of the long run (make long)
+    long_steps: int  # its GRPO steps per run: at least 10× the chapter's
     long_eval_problems: int
 
 
@@ -120,7 +121,7 @@ PROFILES = {
                     min_walk=6, max_walk=14, prompts=256),
         sampler=SamplerPlan(dial_sequences=4, dial_length=1000, bias_prompts=16, bias_group=4, bias_batches=6,
                             bits=3, seeds=2, eval_problems=64, eval_every=4, collapse_margin=0.15,
-                            long_seeds=8, long_eval_problems=128),
+                            long_seeds=8, long_steps=200, long_eval_problems=128),
         sampler_rl=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
     ),
@@ -142,7 +143,7 @@ PROFILES = {
                     min_walk=8, max_walk=24, prompts=4096),
         sampler=SamplerPlan(dial_sequences=32, dial_length=1000, bias_prompts=32, bias_group=8, bias_batches=16,
                             bits=3, seeds=4, eval_problems=512, eval_every=20, collapse_margin=0.15,
-                            long_seeds=8, long_eval_problems=1024),
+                            long_seeds=8, long_steps=2000, long_eval_problems=1024),
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
     ),

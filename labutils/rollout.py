@@ -62,6 +62,7 @@ class Rollout:
     logprobs: torch.Tensor
     vocab_logprobs: torch.Tensor | None = None
     experts: torch.Tensor | None = None  # [B, T, layers, k] experts chosen for the input predicting each token
+    prompt_experts: torch.Tensor | None = None  # [B, prompt width, layers, k] prefill routing, left-padded (-1: pad)
     min_new_tokens: torch.Tensor | None = None  # per row: EOS was banned before this many tokens
     seconds: float = 0.0
 
@@ -145,10 +146,12 @@ class InferenceEngine:
         with recorder:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              cache=cache, use_cache=True, logits_to_keep=1)
-            experts = None
+            experts = prompt_experts = None
             if keep_experts:  # routing of the last prompt token, which predicts completion token 0
                 experts = torch.full((batch, steps, len(recorder.latest), recorder.modules[0].top_k), -1,
                                      dtype=torch.long, device=self.device)
+                prompt_experts = torch.stack([c.view(batch, width, -1) for c in recorder.latest], dim=2)
+                prompt_experts = prompt_experts.masked_fill(~mask.bool()[..., None, None], -1)
                 for layer, chosen in enumerate(recorder.latest):
                     experts[:, 0, layer] = chosen.view(batch, width, -1)[:, -1]
             self._decode(out, steps, budget, floor, rows, mask, positions, cache, temperature, generator,
@@ -158,6 +161,7 @@ class InferenceEngine:
                        mask=alive[:, :used].cpu(), logprobs=logps[:, :used].cpu(),
                        vocab_logprobs=vocab[:, :used].cpu() if keep_vocab else None,
                        experts=experts[:, :used].cpu() if keep_experts else None,
+                       prompt_experts=prompt_experts.cpu() if keep_experts else None,
                        min_new_tokens=floor.cpu(), seconds=perf_counter() - start)
 
     def _decode(self, out, steps, budget, floor, rows, mask, positions, cache, temperature, generator,
@@ -235,21 +239,28 @@ class TrainingEngine:
 
     @torch.no_grad()
     def score(self, rollout: Rollout, temperature: float = 1.0, keep_vocab: bool = False,
-              order: torch.Tensor | None = None, keep_experts: bool = False) -> "Scored":
+              order: torch.Tensor | None = None, keep_experts: bool = False, replay: bool = False) -> "Scored":
         """log π of every sampled token (and of the whole vocabulary when `keep_vocab`), float32.
 
         `order` permutes which sequences share a micro-batch, as a trainer's own batching would.
         `keep_experts` (MoE models) records each layer's experts for the input predicting each token.
+        `replay` (MoE models) routes every token to the experts the sampler chose (routing replay);
+        the rollout must have been sampled with `keep_experts=True`.
         """
+        if replay and (rollout.experts is None or rollout.prompt_experts is None):
+            raise ValueError("replay needs the sampler's routing: sample with keep_experts=True.")
         batch, steps = rollout.completion_ids.shape
         order = torch.arange(batch) if order is None else order
         logprobs = torch.zeros(batch, steps)
         vocab = experts = None
         recorder = moe.RouterRecorder(self.model) if keep_experts else contextlib.nullcontext()
-        with recorder:
+        replayer = moe.RoutingReplay(self.model) if replay else contextlib.nullcontext()
+        with replayer, recorder:  # replay first: the recorder then sees the experts actually used
             for start in range(0, batch, self.micro_batch):
                 rows = order[start:start + self.micro_batch]
                 ids, mask, offsets = pack(rollout, rows, self.pad_id)
+                if replay:
+                    replayer.plan(_replayed_routing(rollout, rows, ids.shape[1], offsets))
                 logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                     position_ids=_positions(mask).to(self.device)).logits.float().cpu()
                 if keep_experts:
@@ -270,6 +281,19 @@ class TrainingEngine:
                     if keep_experts:
                         experts[row] = chosen[i, where]
         return Scored(logprobs * rollout.mask, vocab, experts)
+
+
+def _replayed_routing(rollout: Rollout, rows: torch.Tensor, width: int, offsets: list[int]) -> list[torch.Tensor]:
+    """Per layer, the sampler's experts at every position of a packed micro-batch ([rows·width, k]; -1: none)."""
+    layers, k = rollout.experts.shape[2:]
+    plan = torch.full((len(rows), width, layers, k), -1, dtype=torch.long)
+    prompt_width = rollout.prompt_experts.shape[1]
+    for i, row in enumerate(rows.tolist()):
+        start = offsets[i]  # the prompt sits at [0, start) here and at the right end of the sampler's prefill
+        plan[i, :start] = rollout.prompt_experts[row, prompt_width - start:]
+        used = int(rollout.mask[row].sum())
+        plan[i, start - 1:start - 1 + used] = rollout.experts[row, :used]
+    return [plan[:, :, layer].reshape(-1, k) for layer in range(layers)]
 
 
 class Scored(NamedTuple):

@@ -9,7 +9,8 @@ Three kinds of setting, named by one string:
   channel for weights and per token for activations (`fp8_channel`). Products accumulate in
   fp32. Embeddings, norms, attention scores and softmax, the residual stream and the LM head stay
   fp32. The FP8 values are dequantized before the matmul, which computes the same products as an
-  FP8 GEMM with an fp32 accumulator, up to the order of the additions.
+  FP8 GEMM with an fp32 accumulator, up to the order of the additions: the casts are real, the
+  GEMM is simulated. A per-tensor activation scale spans the whole batch, prefill padding included.
 * `m2` … `m10`: an **emulated** format with that many mantissa bits, round-to-nearest-even, and
   fp32's exponent. Every weight and the input of every Linear layer (LM head included) is
   rounded; accumulation is fp32. No hardware has these formats: they are a dial between FP8's 3
@@ -38,7 +39,8 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
 
     The classic bit trick: add half an ulp of the kept bits, minus one, plus the kept lowest bit
     (which breaks ties to even), then clear the dropped bits. A carry into the exponent is the
-    correct rounding up to the next binade; fp32's range means nothing else overflows.
+    correct rounding up to the next binade, and from the largest binade up to inf, as a real cast
+    overflows.
     """
     if not 1 <= bits <= 23:
         raise ValueError(f"bits={bits} must be between 1 and 23 (fp32 has 23 mantissa bits).")
@@ -91,7 +93,7 @@ class Dial:
             return f"{self.bits}-bit mantissa (emulated){head}"
         if self.kind == "fp8":
             w, a = FP8[self.name]
-            return f"FP8 E4M3 (per-{w} weights, per-{a} activations){head}"
+            return f"FP8 E4M3 casts (per-{w} weights, per-{a} activations), matmul in fp32{head}"
         return f"{self.name}{head}"
 
     def quantize_weights(self, model) -> None:

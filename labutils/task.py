@@ -54,12 +54,28 @@ def steps_for_length(tokens: int) -> int:
     return steps
 
 
-def sample_problems(rng: random.Random, count: int, min_steps: int, max_steps: int) -> list[Problem]:
-    """`count` problems: random start and stride digits, steps uniform in [min_steps, max_steps]."""
+def sample_problems(rng: random.Random, count: int, min_steps: int, max_steps: int,
+                    exclude: frozenset = frozenset(), distinct: bool = False) -> list[Problem]:
+    """`count` problems: random start and stride digits, steps uniform in [min_steps, max_steps].
+
+    Problems in `exclude` are redrawn; with `distinct` no problem appears twice.
+    """
     if not 1 <= min_steps <= max_steps:
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {min_steps}, {max_steps}.")
-    return [Problem(rng.randrange(10), rng.randrange(10), rng.randint(min_steps, max_steps))
-            for _ in range(count)]
+    space = 100 * (max_steps - min_steps + 1) - len({p for p in exclude if min_steps <= p.steps <= max_steps})
+    if space < (count if distinct else 1):
+        raise ValueError(f"only {space} problems have {min_steps}–{max_steps} steps outside `exclude`; "
+                         f"{count} {'distinct ' if distinct else ''}were asked for.")
+    found: list[Problem] = []
+    seen = set(exclude)
+    while len(found) < count:
+        problem = Problem(rng.randrange(10), rng.randrange(10), rng.randint(min_steps, max_steps))
+        if problem in seen:
+            continue
+        if distinct:
+            seen.add(problem)
+        found.append(problem)
+    return found
 
 
 def final_answer(completion: str) -> str:

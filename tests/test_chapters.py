@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from labutils import pipeline
+from labutils import mismatch_rl, pipeline, profiles
 
 ENV_KEYS = {"python", "torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate",
             "device", "device_name", "cuda"}
@@ -11,17 +11,43 @@ REQUIRED_METRICS = {
     "00_lab": ["accuracy.dense", "accuracy.moe", "task.max_completion_tokens"],
     "01_number_formats": ["eps.bfloat16", "eps.float16", "eps.float32", "max.float16", "tiny.float16",
                           "demo.fp16_1p001_equal", "demo.bf16_1p008_equal"],
-    "02_qlora_crash": ["audit.mixed_precision", "audit.trainable_dtypes", "audit.scaler", "crash.error",
-                       "sibling.error", "preflight.crash_config_findings"]
+    "02_qlora_crash": ["audit.mixed_precision", "audit.trainable_dtypes", "audit.scaler", "audit.scaler_class",
+                       "audit.base_input_dtype", "audit.lora_input_dtype", "audit.adam_state_dtypes", "crash.error",
+                       "crash.device", "sibling.error", "preflight.crash_config_findings", "fix.mem_spread_mb",
+                       "fix.mem_tolerance_mb", "fix.mem_label", "fix.lowest_memory", "fix.model_mb",
+                       "fix.mem_gap_mb"]
     + [f"preflight.fix_findings.{fix}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")]
     + [f"fix.{fix}.{m}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")
-       for m in ("peak_mem_mb", "it_per_s", "tokens_per_s", "final_reward")],
-    "04_mismatch": ["max_len", "ratio.kl_bf16_over_fp16"]
-    + [f"{m}.{p}" for m in ("kl", "k3", "slope_per_1k", "token_kl") for p in ("fp32", "bf16", "fp16")]
+       for m in ("peak_mem_mb", "peak_mem_spread_mb", "rss_before_train_mb", "it_per_s", "tokens_per_s",
+                 "final_reward", "mixed_precision", "autocast", "scaler_class", "trainables_built", "trainables",
+                 "base_input_dtype", "lora_input_dtype", "adam_state_dtypes", "error")],
+    "04_mismatch": ["max_len", "ratio.kl_bf16_over_fp16", "ratio.bf16_fp32_over_bf16_bf16", "grid.worst",
+                    "grid.worst_token_kl", "weights.bf16_relative_rounding_bound", "weights.bf16_max_relative_rounding",
+                    "exercise.drift_exceeds_spread_tokens", "exercise.sequences_to_resolve_slope",
+                    "exercise.temperature_07.token_kl"]
+    + [f"{m}.{p}" for m in ("kl", "k1", "k3", "k1_stderr", "k3_stderr", "token_chi2", "slope_per_1k",
+                            "slope_stderr_per_1k", "token_kl") for p in ("fp32", "bf16", "fp16")]
+    + [f"engine_weight_dtypes.{p}.{e}" for p in ("fp32", "bf16", "fp16") for e in ("inference", "training")]
+    + [f"estimator.{p}.{k}.z" for p in ("fp32", "bf16", "fp16") for k in ("k1", "k3")]
+    + [f"slope_ses.{p}.{k}" for p in ("fp32", "bf16", "fp16") for k in ("from_drift", "from_zero")]
+    + [f"weight.{p}.len_q{q}.{m}" for p in ("bf16", "fp16") for q in (1, 2, 3, 4)
+       for m in ("count", "mean_length", "mean", "mean_stderr", "variance", "predicted_variance", "median",
+                 "predicted_median")]
+    + [f"exercise.batching.{p}.max_abs_logprob_change" for p in ("fp32", "bf16")]
     + [f"grid.{t}_{i}.token_kl" for t in ("fp32", "bf16", "fp16") for i in ("fp32", "bf16", "fp16")],
-    "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp32_fp32",
-                                                      "bf16_bf16_tis", "bf16_bf16_mis")
-                          for m in ("final_reward", "mean_kl", "max_grad_norm", "tokens_per_s")],
+    "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp16_fp16_unscaled",
+                                                      "fp32_fp32", "bf16_bf16_tis", "bf16_bf16_mis")
+                          for m in ("final_reward", "mean_kl", "max_grad_norm", "tokens_per_s", "loss_scaler")]
+    + ["combo.fp16_fp16.loss_scale_final", "combo.fp16_fp16.skipped_steps", "combo.bf16_bf16_tis.corrected_fraction",
+       "flushed_fraction.fp16_without_scaler", "first_batch_identical", "reward_spread", "seed_spread.final_reward",
+       "seed_spread.seeds", "seed_spread.mean_kl_min", "seed_spread.mean_kl_max", "ratio.kl_bf16_over_fp16",
+       "ratio.kl_bf16_fp16_over_bf16_bf16", "autocast.linear.equals_rounded_inputs",
+       "autocast.linear.equals_rounded_output", "autocast.residual_dtype", "autocast.linear_output_dtype"],
+    "05b_sampler_precision": [f"dial.{m}.{k}" for m in (10, 7, 5, 4, 3, 2) for k in ("token_kl", "seq_kl_1k")]
+    + ["dial.fp8_e4m3.token_kl", "rl.verdict"] + [f"bias.{m}.cosine" for m in (10, 7, 5, 4, 3, 2)]
+    + [f"rl.{run}.{m}" for run in mismatch_rl.runs_at(profiles.PROFILES["cpu"].sampler.bits)
+       for m in ("final_reward", "final_eval_reward", "mean_kl", "max_grad_norm", "ess_mean", "collapsed_seeds", "seeds")]
+    + [f"decisive.{k}" for k in ("gap_matched", "noise_matched", "gap_fix", "noise_fix", "bf16_gap", "bf16_noise")],
     "06_moe": [f"flip_rate.{p}" for p in ("fp32", "bf16", "fp16")] + [f"kl.{p}" for p in ("fp32", "bf16", "fp16")]
     + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
     + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
@@ -59,26 +85,42 @@ def test_lab_models_leave_room_for_rl():
     metrics = json.loads((pipeline.BUILD / "results" / "00_lab.json").read_text())["metrics"]
     for kind in ("dense", "moe"):
         assert 0.2 < metrics[f"accuracy.{kind}"] < 0.95, metrics[f"accuracy.{kind}"]
-    assert metrics["task.max_completion_tokens"] >= 1000
 
 
 def test_number_format_demos_as_measured():
     metrics = json.loads((pipeline.BUILD / "results" / "01_number_formats.json").read_text())["metrics"]
-    assert metrics["eps.bfloat16"] == 2**-7 and metrics["eps.float16"] == 2**-10
+    import torch
+
+    for name in ("bfloat16", "float16", "float32"):  # the chapter's table against torch's own
+        assert metrics[f"eps.{name}"] == torch.finfo(getattr(torch, name)).eps
     assert metrics["demo.fp16_1p001_equal"] is True  # the source claims False
     assert metrics["demo.fp16_separates_1_and_1p001"] and not metrics["demo.bf16_separates_1_and_1p001"]
 
 
 def test_qlora_crash_audit_and_fixes():
     metrics = json.loads((pipeline.BUILD / "results" / "02_qlora_crash.json").read_text())["metrics"]
+    fixes = ("fp32", "bf16", "fp16_fp32_trainables")
     assert metrics["audit.trainable_dtypes"] == "bfloat16"  # trl's cast, whatever fp16 says
+    assert metrics["audit.lora_input_dtype"] == "bfloat16"  # peft computes the adapters in their own dtype
     assert metrics["sibling.error"] == "Attempting to unscale FP16 gradients."
     assert metrics["preflight.crash_config_findings"] >= 1
-    for fix in ("fp32", "bf16", "fp16_fp32_trainables"):
-        assert metrics[f"preflight.fix_findings.{fix}"] == 0
+    for fix in fixes:
+        assert metrics[f"preflight.fix_findings.{fix}"] == 0 and metrics[f"fix.{fix}.error"] == "none"
+        assert metrics[f"fix.{fix}.trainables_built"] == "bfloat16"  # trl casts in every fix, flags or not
         assert 0.0 <= metrics[f"fix.{fix}.final_reward"] <= 1.0 and metrics[f"fix.{fix}.it_per_s"] > 0
-    if metrics["audit.scaler"] is False:
-        assert metrics["crash.error"] == "cpu: no scaler" and metrics["kernel.cpu.bfloat16"] is True
+        assert metrics[f"fix.{fix}.peak_mem_mb"] > metrics[f"fix.{fix}.rss_before_train_mb"] > 0
+        assert metrics[f"fix.{fix}.repeat_same_rewards"] is True  # each fix's processes trained identically
+    for fix in ("fp32", "fp16_fp32_trainables"):  # cast back: the adapters and their Adam state are fp32
+        assert metrics[f"fix.{fix}.lora_input_dtype"] == metrics[f"fix.{fix}.adam_state_dtypes"] == "float32"
+    assert metrics["fix.bf16.lora_input_dtype"] == "bfloat16" and metrics["fix.bf16.scaler_class"] == "none"
+    assert metrics["fix.mem_spread_mb"] < 50  # one process per fix: its peak does not depend on what ran before
+    if metrics["audit.scaler_class"] == "none":  # the CPU: nothing crashes, and fp16=True is not fp32
+        assert metrics["crash.error"] == "none" and metrics["kernel.cpu.bfloat16"] is True
+        assert metrics["audit.native_amp"] is False and metrics["audit.base_input_dtype"] == "float32"
+        assert metrics["audit.adam_state_dtypes"] == "bfloat16"
+        # fp16=True changed nothing there: the two fp32-adapter fixes ran the same computation
+        assert metrics["fix.fp16_fp32_trainables.autocast"] is False
+        assert metrics["fix.fp32_and_fp16_fp32_trainables_same_rewards"] is True
     else:
         assert "not implemented for 'BFloat16'" in metrics["crash.error"]
 
@@ -89,22 +131,79 @@ def test_mismatch_orders_the_precisions():
     assert metrics["token_kl.fp32"] < 1e-8 < metrics["token_kl.fp16"] < metrics["token_kl.bf16"]
     assert metrics["ratio.kl_bf16_over_fp16"] > 4  # three more mantissa bits: errors ~8x smaller
     assert metrics["perf.rescore_over_forward_seconds"] < 3  # rescoring is one forward, not one per token
+    # both engines are pure-dtype copies: no fp32 master weights under autocast (that is chapter 5)
+    for p, dtype in (("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")):
+        assert metrics[f"engine_weight_dtypes.{p}.inference"] == metrics[f"engine_weight_dtypes.{p}.training"] == dtype
+    # k3 is the low-variance estimator; near the KL χ² ≈ 2·KL
+    for p in ("bf16", "fp16"):
+        assert 0 < metrics[f"k3_stderr.{p}"] < metrics[f"k1_stderr.{p}"]
+        assert 1.5 < metrics[f"token_chi2.{p}"] / metrics[f"token_kl.{p}"] < 2.5
+    # the importance weight: mean 1 within its noise, variance near (1+χ²)^n − 1 and growing with length
+    for p in ("bf16", "fp16"):
+        for q in (1, 2, 3, 4):
+            w = {m: metrics[f"weight.{p}.len_q{q}.{m}"] for m in ("mean", "mean_stderr", "count")}
+            assert w["count"] >= 5 and abs(w["mean"] - 1) < 4 * w["mean_stderr"]
+    longest = {m: metrics[f"weight.bf16.len_q4.{m}"] for m in ("variance", "predicted_variance")}
+    assert 0.5 < longest["variance"] / longest["predicted_variance"] < 2
+    assert metrics["weight.bf16.len_q4.variance"] > metrics["weight.bf16.len_q1.variance"]
+    # the grid: the recorded worst cell is the largest, a mixed pair; bf16 weights against fp32 ones
+    # are far from the matched bf16 pair; no bf16 weight moved by more than half its spacing
+    grid = {k.split(".")[1]: v for k, v in metrics.items() if k.startswith("grid.") and k.endswith(".token_kl")}
+    assert len(grid) == 9 and metrics["grid.worst_token_kl"] == max(grid.values()) == grid[metrics["grid.worst"]]
+    train, inference = metrics["grid.worst"].split("_")
+    assert train != inference
+    assert metrics["ratio.bf16_fp32_over_bf16_bf16"] > 100
+    assert 0 < metrics["weights.bf16_max_relative_rounding"] <= metrics["weights.bf16_relative_rounding_bound"] == 2**-8
+    assert metrics["exercise.drift_exceeds_spread_tokens"] > metrics["max_len"]
 
 
 def test_grpo_engines_run_in_their_precisions():
     metrics = json.loads((pipeline.BUILD / "results" / "05_grpo_precision.json").read_text())["metrics"]
-    for combo, dtype in [("bf16_bf16", "bfloat16"), ("fp16_fp16", "float16"), ("fp32_fp32", "float32")]:
+    for combo, dtype in [("bf16_bf16", "bfloat16"), ("fp16_fp16", "float16"), ("fp16_fp16_unscaled", "float16"),
+                         ("fp32_fp32", "float32")]:
         assert metrics[f"combo.{combo}.logits_dtype"] == dtype  # the training engine is really that precision
     assert metrics["combo.fp32_fp32.mean_kl"] < metrics["combo.fp16_fp16.mean_kl"] < metrics["combo.bf16_bf16.mean_kl"]
     assert metrics["combo.bf16_fp16.mean_kl"] > metrics["combo.fp16_fp16.mean_kl"]
     assert 0 < metrics["combo.bf16_bf16_mis.is_weight_mean"] <= 1.0 + 1e-3
+    # autocast rounds the matmul's inputs, not its output, and leaves the residual stream in fp32
+    assert metrics["autocast.linear.equals_rounded_inputs"] is True
+    assert metrics["autocast.linear.equals_rounded_output"] is False
+    assert metrics["autocast.residual_dtype"] == "float32" and metrics["autocast.linear_output_dtype"] == "bfloat16"
+    # every fp16 engine but the labelled one trains with a loss scaler; bf16 and fp32 need none
+    assert metrics["combo.fp16_fp16.loss_scaler"] == "GradScaler"
+    assert metrics["combo.fp16_fp16_unscaled.loss_scaler"] == "none" == metrics["combo.bf16_bf16.loss_scaler"]
+    assert metrics["combo.fp16_fp16.skipped_steps"] < 4 and metrics["combo.fp16_fp16.loss_scale_final"] >= 2.0**12
+    assert metrics["first_batch_identical"] is True  # the flushed fraction compares gradients of one batch
+    assert 0.0 <= metrics["flushed_fraction.fp16_without_scaler"] < 0.5
+    assert metrics["seed_spread.seeds"] >= 3 and metrics["seed_spread.final_reward"] >= 0
+    assert metrics["combo.fp16_fp16.mean_kl"] < metrics["seed_spread.mean_kl_min"]  # below every bf16/bf16 seed
+
+
+def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
+    data = json.loads((pipeline.BUILD / "results" / "05b_sampler_precision.json").read_text())
+    assert data["fingerprint"] == pipeline.fingerprint("05b_sampler_precision", {"profile": "cpu"})
+    metrics = data["metrics"]
+    assert metrics["emulation.m7_vs_bf16_differences"] == 0 and metrics["emulation.m10_vs_fp16_differences"] == 0
+    kl = [metrics[f"dial.{m}.token_kl"] for m in (10, 7, 5, 4, 3, 2)]
+    assert kl == sorted(kl) and kl[0] > metrics["dial.fp32.token_kl"]  # fewer mantissa bits, more mismatch
+    assert 2 < metrics["dial.factor_per_bit"] < 8  # about 4 per bit: a KL is quadratic in the rounding error
+    assert metrics["dial.fp16.token_kl_on_task"] < metrics["dial.bf16.token_kl_on_task"] < metrics["dial.fp8_e4m3.token_kl_on_task"]
+    roles = mismatch_rl.roles(profiles.PROFILES["cpu"].sampler.bits)
+    coarse, fix = roles["uncorrected"], roles["fix"]
+    assert metrics["rl.fp32.ess_mean"] > metrics[f"rl.{coarse}.ess_mean"]  # the coarse sampler's weights spread out
+    assert metrics["rl.fp32.mean_kl"] < 1e-9 < metrics[f"rl.{coarse}.mean_kl"]
+    assert metrics[f"rl.{fix}.corrected_mean"] > 0 and metrics[f"rl.{coarse}.corrected_mean"] == 0
+    assert metrics[f"rl.{coarse}.seeds"] == profiles.PROFILES["cpu"].sampler.seeds
+    # the paired estimate cannot see a bias where the sampler is fp32's twin, and sees the coarsest one
+    assert metrics["bias.2.relative_bias_sq"] > metrics["bias.10.relative_bias_sq"]
+    assert "uncorrected" in metrics["rl.verdict"]
 
 
 def test_moe_routing_flips_follow_precision():
     metrics = json.loads((pipeline.BUILD / "results" / "06_moe.json").read_text())["metrics"]
     assert metrics["flip_rate.fp32"] == 0.0
     assert 0 < metrics["flip_rate.fp16"] < metrics["flip_rate.bf16"] < 0.05
-    assert metrics["source.expert_choice_precision_ignored"] is True
+    assert metrics["source.expert_choice_precision"] == "ignored"  # what the chapter's prose reads
     assert metrics["bf16.abs_log_ratio_flipped"] > metrics["bf16.abs_log_ratio_unflipped"]
 
 

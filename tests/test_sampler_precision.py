@@ -127,7 +127,7 @@ def _figures(finals, start=0.8):
     from labutils import mismatch_rl
 
     curves = [{"reward": [0.5], "eval": [start, f], "kl": [0.0], "grad_norm": [1.0], "ess": [1.0], "seq_chi2": [0.0],
-               "corrected": []} for f in finals]
+               "corrected": [], "eval_problems": 256} for f in finals]
     return mismatch_rl.summarize(curves, margin=0.15, last=1)
 
 
@@ -146,19 +146,33 @@ def test_verdict_claims_a_difference_only_beyond_the_seed_noise():
     assert "ends lower than the uncorrected run" in said
 
 
+def test_seed_noise_uses_the_t_quantile_and_the_evaluations_binomial_floor():
+    from labutils import mismatch_rl
+
+    gap, noise = mismatch_rl.compare(_figures([0.5, 0.6]), _figures([0.6, 0.7]))  # two seeds, identical shift
+    assert gap == pytest.approx(0.1)
+    floor = ((0.55 * 0.45 + 0.65 * 0.35) / 256 / 2) ** 0.5
+    assert noise == pytest.approx(12.706 * floor, rel=1e-3)  # t(0.975, 1 df) times the binomial floor
+    assert mismatch_rl.compare(_figures([0.5]), _figures([0.9]))[1] == float("inf")
+
+
 def test_ledger_consequence_claims_turn_on_the_measurements():
     from labutils import ledger
 
-    degrades, restores = (next(c for c in ledger.CLAIMS if c.chapter == "05b_sampler_precision" and key in c.says)
-                          for key in ("degrades", "restore"))
-    common = ("long run", 8)
-    assert degrades.judge(*common, 0.4, 0.1, 5, 0, 0.0, 0.1, 12)[1].startswith(ledger.CONFIRMED)
-    assert degrades.judge(*common, 0.05, 0.1, 1, 0, 0.0, 0.1, 12)[1] == ledger.NOT_AT_SCALE
-    assert degrades.judge(*common, -0.3, 0.1, 0, 0, 0.0, 0.1, 12)[1] == ledger.CONTRADICTED
-    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.35, 0.1)[1] == ledger.CONFIRMED
-    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.05, 0.1)[1] == ledger.NOT_SUPPORTED
-    assert restores.judge("long run", "m3_tis", 0.4, 0.1, -0.3, 0.1)[1] == ledger.CONTRADICTED
-    assert restores.judge("long run", "m3_tis", 0.05, 0.1, 0.3, 0.1)[1].startswith(ledger.NOT_AT_SCALE)
+    bf16, coarse, restores = (next(c for c in ledger.CLAIMS if c.chapter == "05b_sampler_precision" and key in c.says)
+                              for key in ("BF16 RL", "magnified", "restore"))
+    assert bf16.judge("long run", 8, 200, -0.3, 0.1)[1] == ledger.CONFIRMED
+    assert bf16.judge("long run", 8, 200, 0.05, 0.1)[1] == ledger.NOT_AT_SCALE
+    assert bf16.judge("long run", 8, 200, 0.3, 0.1)[1] == ledger.CONTRADICTED
+    assert coarse.judge("long run", 8, 0.4, 0.1, 5, 0)[1] == ledger.CONFIRMED
+    assert coarse.judge("long run", 8, 0.05, 0.1, 1, 0)[1] == ledger.NOT_AT_SCALE
+    assert coarse.judge("long run", 8, -0.3, 0.1, 0, 2)[1] == ledger.CONTRADICTED
+    assert coarse.judge("this run", 2, 0.4, 0.1, 2, 0)[1] == ledger.NOT_MEASURED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.35, 0.1, -0.05, 0.1)[1] == ledger.CONFIRMED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.15, 0.1, -0.25, 0.1)[1] == ledger.NOT_SUPPORTED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, 0.05, 0.1, -0.35, 0.1)[1] == ledger.NOT_SUPPORTED
+    assert restores.judge("long run", "m3_tis", 0.4, 0.1, -0.3, 0.1, -0.7, 0.1)[1] == ledger.CONTRADICTED
+    assert restores.judge("long run", "m3_tis", 0.05, 0.1, 0.3, 0.1, 0.25, 0.1)[1].startswith(ledger.NOT_AT_SCALE)
 
 
 def test_gradient_agreement_and_its_jackknife_error():
@@ -169,3 +183,19 @@ def test_gradient_agreement_and_its_jackknife_error():
     assert same["cosine"] == pytest.approx(1.0) and same["cosine_stderr"] == pytest.approx(0.0, abs=1e-12)
     spread = mismatch_rl.agreement(torch.tensor([[1.0, 1.0], [1.0, -1.0], [1.0, 0.5]]), reference)
     assert spread["cosine_stderr"] > 0 and spread["relative_difference"] == pytest.approx(0.5 / 3)
+
+
+def test_paired_bias_is_zero_for_identical_samplers_and_finds_a_planted_shift():
+    from labutils import mismatch_rl
+
+    g = torch.Generator().manual_seed(0)
+    signal = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    baseline = signal + 0.3 * torch.randn(40, 4, generator=g)
+    same = mismatch_rl.paired_bias(baseline.clone(), baseline)
+    assert same["relative_bias_sq"] == pytest.approx(0.0, abs=1e-12)
+    noisy = baseline + 0.3 * torch.randn(40, 4, generator=g)  # noise only: the estimate is near zero
+    unbiased = mismatch_rl.paired_bias(noisy, baseline)
+    assert abs(unbiased["relative_bias_sq"]) < 3 * unbiased["relative_bias_sq_stderr"]
+    shifted = mismatch_rl.paired_bias(noisy + torch.tensor([0.0, 0.5, 0.0, 0.0]), baseline)
+    assert shifted["relative_bias_sq"] == pytest.approx(0.25, abs=4 * shifted["relative_bias_sq_stderr"])
+    assert shifted["relative_bias_sq"] > 3 * shifted["relative_bias_sq_stderr"]

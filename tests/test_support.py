@@ -85,6 +85,27 @@ def test_measure_times_and_reads_memory():
     del blob
 
 
+def test_rss_and_the_kernels_peak_see_an_allocation():
+    before, peak_before = measure.rss_mb(), measure.process_peak_rss_mb()
+    blob = bytearray(96 * 2**20)
+    blob[:: 4096] = b"x" * len(blob[:: 4096])  # touch every page so it is resident
+    assert measure.rss_mb() > before + 80
+    assert measure.process_peak_rss_mb() >= max(peak_before, measure.rss_mb() - 1)
+    del blob
+
+
+def test_in_own_process_returns_the_result_and_a_fresh_peak():
+    blob = bytearray(256 * 2**20)
+    blob[:: 4096] = b"x" * len(blob[:: 4096])
+    # the fresh process imports the same library but never held this allocation: its peak is its own
+    assert measure.in_own_process("labutils.measure:process_peak_rss_mb") < measure.process_peak_rss_mb() - 200
+    del blob
+    result = measure.in_own_process("json:loads", s="[1, 2.5]")
+    assert result == [1, 2.5]
+    with pytest.raises(RuntimeError, match="failed in its own process"):
+        measure.in_own_process("json:loads", s="not json")
+
+
 def test_plots_save_next_to_results(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path))
     plots.style()
@@ -119,3 +140,49 @@ def test_half_ulp_and_lost_updates_follow_the_dtype_spacing():
     assert updates.predicted_loss(one, torch.tensor([1.0]), [1e-3], torch.float16) == [0.0]
     w = torch.tensor([1.0], dtype=torch.bfloat16)
     assert torch.equal(w + torch.tensor([1e-3], dtype=torch.bfloat16), w)  # the rule, checked against torch
+
+
+def test_importance_weights_in_all_four_of_trls_modes():
+    import pytest
+    import torch
+
+    from labutils import grpo
+
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    log_ratio = torch.log(torch.tensor([[3.0, 0.25], [1.5, 1.0]])) * mask
+    token_truncate = grpo.importance_weights(log_ratio, mask, "token_truncate", 0.5, 2.0)
+    assert torch.allclose(token_truncate, torch.tensor([[2.0, 0.5], [1.5, 0.0]]))
+    token_mask = grpo.importance_weights(log_ratio, mask, "token_mask", 0.5, 2.0)
+    assert torch.allclose(token_mask, torch.tensor([[0.0, 0.0], [1.5, 0.0]]))
+    sequence_truncate = grpo.importance_weights(log_ratio, mask, "sequence_truncate", None, 0.5)  # 0.75 and 1.5
+    assert torch.allclose(sequence_truncate, torch.tensor([[0.5, 0.5], [0.5, 0.0]]))
+    sequence_mask = grpo.importance_weights(log_ratio, mask, "sequence_mask", 1.0, 2.0)
+    assert torch.allclose(sequence_mask, torch.tensor([[0.0, 0.0], [1.5, 0.0]]))
+    with pytest.raises(ValueError, match="not one of trl's"):
+        grpo.importance_weights(log_ratio, mask, "token_clip", None, 2.0)
+
+
+def test_provenance_and_gpu_reference_read_the_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "_build" / "results"))
+    run = results.ChapterRun("99_demo", "cpu")
+    run.save()
+    text = results.provenance("99_demo").data
+    assert "`cpu` profile on cpu" in text and "_build/results/99_demo.json" in text
+    (tmp_path / "_toc.yml").write_text("root: intro\n")
+    monkeypatch.chdir(tmp_path)
+    assert results.gpu_reference("99_demo") is None
+    (tmp_path / "results" / "gpu").mkdir(parents=True)
+    (tmp_path / "results" / "gpu" / "99_demo.json").write_text(json.dumps({"chapter": "99_demo", "profile": "gpu"}))
+    assert results.gpu_reference("99_demo")["profile"] == "gpu"
+
+
+def test_launch_refuses_a_batch_that_does_not_split(monkeypatch, tmp_path):
+    import pytest
+
+    from labutils import launch
+
+    monkeypatch.setenv("WORLD_SIZE", "3")  # 16 completions per step over 3 processes
+    with pytest.raises(ValueError, match="does not split over 3 processes"):
+        launch.main(["--profile", "cpu", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="not a profile"):
+        launch.main(["--profile", "tpu", "--out", str(tmp_path)])

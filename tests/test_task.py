@@ -36,3 +36,14 @@ def test_sampling_is_seeded_and_checked():
     assert all(1 <= p.steps <= 3 for p in a)
     with pytest.raises(ValueError):
         task.sample_problems(random.Random(1), 5, 0, 3)
+
+
+def test_excluded_problems_are_never_drawn_and_distinct_draws_do_not_repeat():
+    import random
+
+    held_out = set(task.sample_problems(random.Random(1), 150, 2, 3, distinct=True))
+    assert len(held_out) == 150
+    drawn = task.sample_problems(random.Random(2), 500, 2, 3, exclude=frozenset(held_out))
+    assert not held_out & set(drawn) and len(drawn) == 500
+    with pytest.raises(ValueError, match="only 50 problems"):
+        task.sample_problems(random.Random(3), 60, 2, 3, exclude=frozenset(held_out), distinct=True)

@@ -1,0 +1,96 @@
+"""The pipeline's own rules, on a two-cell chapter in a scratch project (a few seconds of papermill)."""
+import json
+
+import pytest
+
+from labutils import pipeline
+
+CHAPTER = """---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+# Tiny
+
+```{{code-cell}} ipython3
+:tags: [parameters]
+
+profile = "cpu"
+value = 1
+```
+
+```{{code-cell}} ipython3
+:tags: [{tags}]
+
+{body}
+```
+
+```{{code-cell}} ipython3
+from labutils import results
+
+run = results.ChapterRun("zz_tiny", profile)
+run.record(value=value)
+run.save();
+```
+"""
+
+
+def _project(tmp_path, tags="raises-exception, error-required", body="raise ValueError('meant')"):
+    (tmp_path / "chapters").mkdir(exist_ok=True)
+    (tmp_path / "_toc.yml").write_text("root: intro\nchapters:\n  - file: chapters/zz_tiny\n")
+    (tmp_path / "chapters" / "zz_tiny.md").write_text(CHAPTER.format(tags=tags, body=body))
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _restore_results_dir():
+    """`execute` points LAB_RESULTS_DIR at the project it runs; put it back for the other tests."""
+    import os
+
+    before = os.environ.pop("LAB_RESULTS_DIR", None)
+    yield
+    os.environ.pop("LAB_RESULTS_DIR", None)
+    if before is not None:
+        os.environ["LAB_RESULTS_DIR"] = before
+
+
+def test_unchanged_chapters_are_skipped_and_foreign_results_are_not_trusted(tmp_path, capsys):
+    root = _project(tmp_path)
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    results_file = root / "_build" / "results" / "zz_tiny.json"
+    data = json.loads(results_file.read_text())
+    assert data["metrics"]["value"] == 1
+    assert data["fingerprint"] == pipeline.fingerprint("zz_tiny", {"profile": "cpu"}, root)
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    assert "unchanged, not executed again" in capsys.readouterr().out
+    # a run with other parameters, written over the book's results by hand, is not published
+    data.update(fingerprint=None, metrics={"value": 7})
+    results_file.write_text(json.dumps(data))
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    assert "executed in" in capsys.readouterr().out
+    assert json.loads(results_file.read_text())["metrics"]["value"] == 1
+    pipeline.execute("zz_tiny", "cpu", parameters={"value": 3}, root=root)  # new parameters: executed again
+    assert json.loads(results_file.read_text())["metrics"]["value"] == 3
+
+
+def test_a_cell_required_to_fail_that_does_not_fail_stops_the_build(tmp_path):
+    root = _project(tmp_path, body="print('no error here')")
+    with pytest.raises(pipeline.ChapterError, match="error-required but raised nothing on cpu"):
+        pipeline.execute("zz_tiny", "cpu", root=root)
+
+
+def test_an_error_required_only_on_cuda_may_pass_on_the_cpu(tmp_path):
+    root = _project(tmp_path, tags="raises-exception, error-required-cuda", body="print('fine on the cpu')")
+    pipeline.execute("zz_tiny", "cpu", root=root)
+
+
+def test_an_untagged_error_fails_with_the_cell_named(tmp_path):
+    root = _project(tmp_path, tags="hide-output", body="raise KeyError('unexpected')")
+    with pytest.raises(pipeline.ChapterError, match="not tagged raises-exception failed with KeyError"):
+        pipeline.execute("zz_tiny", "cpu", root=root)
