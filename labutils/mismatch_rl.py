@@ -303,6 +303,8 @@ def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: li
     """
     jobs = [(spec, seed) for spec in specs for seed in seeds]
     context = (profile, plan, eval_count, eval_every, model_id)
+    if model_id is None:
+        models.lab_model_dir("dense", profile)  # built once here, not by every worker at the same time
     if workers > 1:
         import concurrent.futures
         import multiprocessing
