@@ -293,27 +293,70 @@ def paired_bias(rows: torch.Tensor, baseline: torch.Tensor) -> dict:
     return {"relative_bias_sq": ratio, "relative_bias_sq_stderr": stderr}
 
 
+class _Serial:
+    """The pool interface, in this process."""
+
+    def map(self, fn, items):
+        return list(map(fn, items))
+
+    def shutdown(self):
+        pass
+
+
+def workers(count: int):
+    """A pool of `count` processes of one torch thread each (or this process, for 1) for the runs below.
+
+    Every job is seeded on its own, so results do not depend on how the jobs were shared out. Each
+    process loads the model once and keeps it.
+    """
+    if count <= 1:
+        return _Serial()
+    import concurrent.futures
+    import multiprocessing
+
+    return concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_start_worker)
+
+
+def _start_worker() -> None:
+    torch.set_num_threads(1)
+    _quiet_worker()
+
+
+def _model(profile: Profile, model_id: str | None, model_seed: int = 0):
+    """The dense model (and tokenizer), loaded once per process."""
+    key = (model_id, profile.name, model_seed)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = models.load(model_id, kind="dense", profile=profile, seed=model_seed, device=profile.device)
+    return _LOADED[key]
+
+
+_LOADED: dict = {}
+
+
+def _pooled(pool, count: int):
+    """`pool` if given, else a fresh one of `count` workers that the caller must shut down (owned=True)."""
+    return (pool, False) if pool is not None else (workers(count), True)
+
+
 def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: list[int], eval_count: int,
                eval_every: int, margin: float, model_id: str | None = None, workers: int = 1,
-               progress=print) -> dict:
+               progress=print, pool=None, model_seed: int = 0) -> dict:
     """Run every spec at every seed; returns {"curves": {run: [per seed]}, "summary": {run: figures}}.
 
-    With `workers` > 1 the runs go to that many processes of one torch thread each; every run is
-    seeded on its own, so the curves do not depend on how the runs were shared out.
+    The runs go to `pool` (see `workers`), or to a pool of `workers` processes made for them.
     """
     jobs = [(spec, seed) for spec in specs for seed in seeds]
-    context = (profile, plan, eval_count, eval_every, model_id)
+    context = (profile, plan, eval_count, eval_every, model_id, model_seed)
     if model_id is None:
-        models.lab_model_dir("dense", profile)  # built once here, not by every worker at the same time
-    if workers > 1:
-        import concurrent.futures
-        import multiprocessing
-
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                    initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            done = list(pool.map(_job, [(context, job) for job in jobs]))
-    else:
-        done = [_job((context, job)) for job in jobs]
+        models.lab_model_dir("dense", profile, model_seed)  # built once here, not by every worker at once
+    pool, owned = _pooled(pool, workers)
+    try:
+        done = list(pool.map(_job, [(context, job) for job in jobs]))
+    finally:
+        if owned:
+            pool.shutdown()
     curves: dict[str, list[dict]] = {}
     for (spec, seed), result in zip(jobs, done):
         curves.setdefault(spec.name, []).append(result)
@@ -323,24 +366,57 @@ def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: li
     return {"curves": curves, "summary": {name: summarize(c, margin, last) for name, c in curves.items()}}
 
 
-_LOADED: dict = {}
+def dial_sweep(profile: Profile, settings: list[str], prompts: list[list[int]], length: int, seed: int,
+               window: int, pool, model_id: str | None = None) -> dict:
+    """`dial_kl` for every setting, one setting per job of `pool` (the lab model of build seed `seed`)."""
+    context = (profile, model_id, prompts, length, seed, window)
+    return dict(zip(settings, pool.map(_dial_job, [(context, name) for name in settings])))
+
+
+def _dial_job(argument) -> dict:
+    (profile, model_id, prompts, length, seed, window), name = argument
+    model, _ = _model(profile, model_id, seed)
+    return dial_kl(model, [name], prompts, length, seed, profile.device, window)[name]
+
+
+def gradients(profile: Profile, jobs: list[tuple[str, int]], prompts: list[list[int]], answers: list[str],
+              group: int, batches: int, max_new_tokens: int, pool, model_id: str | None = None,
+              model_seed: int = 0) -> list:
+    """`policy_gradient` rows for every (sampler setting, sampling seed) in `jobs`, one per job of `pool`."""
+    context = (profile, model_id, model_seed, prompts, answers, group, batches, max_new_tokens)
+    return pool.map(_gradient_job, [(context, job) for job in jobs])
+
+
+def _gradient_job(argument) -> torch.Tensor:
+    (profile, model_id, model_seed, prompts, answers, group, batches, max_new_tokens), (setting, seed) = argument
+    model, tokenizer = _model(profile, model_id, model_seed)
+    engine = sampler_precision.engine(model, setting, profile.device)
+    return policy_gradient(model, engine, prompts, answers, tokenizer, group, batches, max_new_tokens, seed)
 
 
 def _job(argument) -> dict:
     """One (spec, seed) run; the model is loaded once per process."""
-    (profile, plan, eval_count, eval_every, model_id), (spec, seed) = argument
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    key = (model_id, profile.name)
-    if key not in _LOADED:
-        _LOADED.clear()
-        _LOADED[key] = models.load(model_id, kind="dense", profile=profile, device=profile.device)
-    base, tokenizer = _LOADED[key]
+    (profile, plan, eval_count, eval_every, model_id, model_seed), (spec, seed) = argument
+    _quiet_worker()
+    base, tokenizer = _model(profile, model_id, model_seed)
     output = tempfile.mkdtemp(prefix="mismatch-rl-")
     result = train(spec, base, tokenizer, profile, plan, seed, eval_problems(eval_count, plan), eval_every, output)
     if os.environ.get("LAB_PROGRESS"):  # the long run reports each finished run as it goes
         print(f"{spec.name} seed {seed}: π-eval {result['eval'][0]:.3f} → {result['eval'][-1]:.3f} "
               f"({result['seconds']:.0f} s)", flush=True)
     return result
+
+
+def _quiet_worker() -> None:
+    """A worker's stderr lands in the chapter: keep out the library notices that teach nothing here
+    (transformers' renamed-argument FutureWarnings, bitsandbytes' optional CPU kernel, trl's experimental flag)."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 def long_run(steps: int, seeds: int, bits: int, eval_count: int, eval_every: int,
