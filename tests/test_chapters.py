@@ -5,6 +5,14 @@ import pytest
 
 from labutils import mismatch_rl, pipeline, profiles
 
+def metrics_of(stem: str) -> dict:
+    """This build's metrics of `stem`, refused unless they were written by the current source in the cpu profile."""
+    data = json.loads((pipeline.BUILD / "results" / f"{stem}.json").read_text())
+    assert data.get("fingerprint") == pipeline.fingerprint(stem, {"profile": "cpu"}), \
+        f"{stem}: the results on disk do not belong to this source and profile; execute it again"
+    return data["metrics"]
+
+
 ENV_KEYS = {"python", "torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate",
             "device", "device_name", "cuda"}
 REQUIRED_METRICS = {
@@ -52,12 +60,21 @@ REQUIRED_METRICS = {
     + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
     + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
     "03_loss_scaling": ["underflow_fraction.unscaled", "underflow_fraction.scaled", "scaler.skipped_steps",
-                        "scaler.final_scale", "scaler.source.skipped_steps", "scaler.fast_growth.final_scale"]
-    + [f"scaler.{s}.{m}" for s in ("every_5", "source", "verl", "torch_default") for m in ("growths", "skipped_steps")],
+                        "scaler.final_scale", "scaler.source.skipped_steps", "scaler.fast_growth.final_scale",
+                        "clip.sgd.predicted_ratio", "clip.read_over_true"]
+    + [f"scaler.{s}.{m}" for s in ("every_5", "source", "verl", "torch_default") for m in ("growths", "skipped_steps")]
+    + [f"clip.{o}.{order}.{m}" for o in ("sgd", "adamw") for order in ("unscaled", "scaled")
+       for m in ("norm_read", "true_norm", "update_norm", "steps_taken")]
+    + [f"clip.{o}.update_ratio_right_over_wrong" for o in ("sgd", "adamw")],
     "08_sensitive_ops": [f"err.{op}.{d}" for op in ("softmax", "log_softmax", "layer_norm", "rms_norm",
                                                      "attention_logits", "sum") for d in ("bf16", "fp16")]
     + ["adam.eps_in_fp16", "adam.default_eps", "adam.eps_floor", "err.logsumexp.bf16"]
-    + [f"adam.eps_rule.{e}.step_over_lr" for e in ("1e-7", "1e-4", "floor")],
+    + [f"adam.eps_rule.{e}.step_over_lr" for e in ("1e-7", "1e-4", "floor")]
+    + [f"activation.{p}.{m}" for p in ("residual", "attention_scores", "mlp_hidden") for m in ("max", "headroom")]
+    + [f"overflow.{p}.{m}" for p in ("residual", "attention_scores", "mlp_hidden")
+       for m in ("first_log2", "predicted_log2", "where")]
+    + ["overflow.matches", "activation.residual.max_over_median", "fp16_costs.flushed_gradients.weights",
+       "fp16_costs.flushed_gradients.activations", "fp16_costs.adam_v_flushed"],
     "09_fp8": [f"qerr.{t}.{f}.{s}" for t in ("weights", "activations", "gradients") for f in ("e4m3fn", "e5m2")
                for s in ("none", "tensor", "block")] + ["matmul.outcome", "cast.torch", "cast.e4m3fn.behaviour"],
     "10_scaling_out": ["ddp.world_size", "ddp.final_reward", "single.final_reward", "deepspeed.zero_stage",
@@ -66,7 +83,10 @@ REQUIRED_METRICS = {
     + [f"row.{i}.symptom_seen" for i in range(1, 11)],
     "07_lora": [f"lost_update_fraction.{d}" for d in ("bf16", "fp16", "fp16_compute", "fp32")]
     + [f"grpo.{d}.{m}" for d in ("bf16", "fp16", "fp16_compute", "fp32") for m in ("final_reward", "max_grad_norm")]
-    + ["fp16.v_flush_bound", "fp16.adam_v_underflow_fraction"],
+    + ["fp16.v_flush_bound", "fp16.adam_v_underflow_fraction", "serving.merge.relative_delta",
+       "serving.merge.moved_share.bf16", "serving.ratio.bf16_unmerged_over_matched"]
+    + [f"serving.token_kl.{s}.{t}" for s in ("bf16", "fp16", "fp32")
+       for t in ("merged", "unmerged_bf16", "unmerged_bf16_fp32_adapters", "unmerged_fp16", "unmerged_fp32")],
 }
 
 
@@ -82,13 +102,13 @@ def test_chapter_executes_and_writes_results(stem):
 
 
 def test_lab_models_leave_room_for_rl():
-    metrics = json.loads((pipeline.BUILD / "results" / "00_lab.json").read_text())["metrics"]
+    metrics = metrics_of("00_lab")
     for kind in ("dense", "moe"):
         assert 0.2 < metrics[f"accuracy.{kind}"] < 0.95, metrics[f"accuracy.{kind}"]
 
 
 def test_number_format_demos_as_measured():
-    metrics = json.loads((pipeline.BUILD / "results" / "01_number_formats.json").read_text())["metrics"]
+    metrics = metrics_of("01_number_formats")
     import torch
 
     for name in ("bfloat16", "float16", "float32"):  # the chapter's table against torch's own
@@ -98,7 +118,7 @@ def test_number_format_demos_as_measured():
 
 
 def test_qlora_crash_audit_and_fixes():
-    metrics = json.loads((pipeline.BUILD / "results" / "02_qlora_crash.json").read_text())["metrics"]
+    metrics = metrics_of("02_qlora_crash")
     fixes = ("fp32", "bf16", "fp16_fp32_trainables")
     assert metrics["audit.trainable_dtypes"] == "bfloat16"  # trl's cast, whatever fp16 says
     assert metrics["audit.lora_input_dtype"] == "bfloat16"  # peft computes the adapters in their own dtype
@@ -126,7 +146,7 @@ def test_qlora_crash_audit_and_fixes():
 
 
 def test_mismatch_orders_the_precisions():
-    metrics = json.loads((pipeline.BUILD / "results" / "04_mismatch.json").read_text())["metrics"]
+    metrics = metrics_of("04_mismatch")
     assert metrics["max_len"] >= 1000
     assert metrics["token_kl.fp32"] < 1e-8 < metrics["token_kl.fp16"] < metrics["token_kl.bf16"]
     assert metrics["ratio.kl_bf16_over_fp16"] > 4  # three more mantissa bits: errors ~8x smaller
@@ -158,7 +178,7 @@ def test_mismatch_orders_the_precisions():
 
 
 def test_grpo_engines_run_in_their_precisions():
-    metrics = json.loads((pipeline.BUILD / "results" / "05_grpo_precision.json").read_text())["metrics"]
+    metrics = metrics_of("05_grpo_precision")
     for combo, dtype in [("bf16_bf16", "bfloat16"), ("fp16_fp16", "float16"), ("fp16_fp16_unscaled", "float16"),
                          ("fp32_fp32", "float32")]:
         assert metrics[f"combo.{combo}.logits_dtype"] == dtype  # the training engine is really that precision
@@ -200,15 +220,20 @@ def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
 
 
 def test_moe_routing_flips_follow_precision():
-    metrics = json.loads((pipeline.BUILD / "results" / "06_moe.json").read_text())["metrics"]
+    metrics = metrics_of("06_moe")
     assert metrics["flip_rate.fp32"] == 0.0
     assert 0 < metrics["flip_rate.fp16"] < metrics["flip_rate.bf16"] < 0.05
     assert metrics["source.expert_choice_precision"] == "ignored"  # what the chapter's prose reads
     assert metrics["bf16.abs_log_ratio_flipped"] > metrics["bf16.abs_log_ratio_unflipped"]
+    assert 0 < metrics["kl_share_from_flips.bf16"] <= 1
+    for p in ("bf16", "fp16"):  # routing in fp32 leaves the flips whose inputs already differ
+        assert 0 < metrics[f"flip_rate.router_fp32.{p}"] < 0.05
+        assert metrics[f"replay.{p}.flip_rate"] == 0.0  # replayed routing cannot flip
+    assert metrics["replay.bf16.kl_kept"] < 1  # removing the flips removes part of the mismatch
 
 
 def test_lora_loses_updates_by_adapter_dtype():
-    metrics = json.loads((pipeline.BUILD / "results" / "07_lora.json").read_text())["metrics"]
+    metrics = metrics_of("07_lora")
     assert metrics["lost_update_fraction.fp32"] < 1e-3 < metrics["lost_update_fraction.bf16"]
     assert metrics["lost_update_fraction.fp16_compute"] < 1e-3  # fp32 adapters under fp16 compute
     assert metrics["predicted_lost_at_1e_5.bfloat16"] > metrics["predicted_lost_at_1e_5.float16"]
@@ -219,11 +244,20 @@ def test_lora_loses_updates_by_adapter_dtype():
     assert metrics[f"{below}.v"] == 0.0 and metrics[f"{below}.weight"] == "-inf"
     assert metrics[f"{above}.v"] > 0.0 and 0.99 < metrics[f"{above}.weight"] < 1.0
     assert metrics["fp16_adam_step.5e-3.weight"] == "-inf"
+    # merging the adapters into a bf16 sampler adds a mismatch beyond the engines'; fp16 shrinks it,
+    # and in fp32 the merged sampler and the unmerged trainer are the same policy
+    kl = {(s, t): metrics[f"serving.token_kl.{s}.{t}"] for s in ("bf16", "fp16", "fp32")
+          for t in ("merged", "unmerged_bf16", "unmerged_fp16", "unmerged_fp32")}
+    assert metrics["serving.merge.moved_share.bf16"] > 0.01  # the trained adapters are large enough to matter
+    assert kl[("bf16", "unmerged_bf16")] > 10 * kl[("bf16", "merged")]
+    assert kl[("fp16", "unmerged_fp16")] < kl[("bf16", "unmerged_bf16")] / 4
+    assert abs(kl[("fp32", "unmerged_fp32")]) < 1e-8 < kl[("bf16", "unmerged_fp32")]
 
 
 def test_toolkit_chapters_measure_what_they_claim():
     def load(stem, part="metrics"):
-        return json.loads((pipeline.BUILD / "results" / f"{stem}.json").read_text())[part]
+        metrics = metrics_of(stem)
+        return metrics if part == "metrics" else json.loads((pipeline.BUILD / "results" / f"{stem}.json").read_text())[part]
 
     scaling = load("03_loss_scaling")
     # most activation gradients flush without scaling; 2^16 rescues nearly all of them
@@ -234,6 +268,13 @@ def test_toolkit_chapters_measure_what_they_claim():
     assert scaling["scaler.verl.growths"] >= 1 and scaling["scaler.source.growths"] > scaling["scaler.verl.growths"]
     skipped = [scaling[f"scaler.{s}.skipped_steps"] for s in ("every_5", "source", "verl", "torch_default")]
     assert skipped == sorted(skipped, reverse=True) and skipped[0] > skipped[1]
+    # clipping before unscaling reads the scaled norm; SGD's step then shrinks as S·min(|g|, 1) predicts
+    assert abs(scaling["clip.read_over_true"] / 2.0 ** 16 - 1) < 0.01
+    assert 0.5 < scaling["clip.sgd.update_ratio_right_over_wrong"] / scaling["clip.sgd.predicted_ratio"] < 2
+    assert scaling["clip.sgd.update_ratio_right_over_wrong"] > 100
+    # Adam's normalisation cancels most of the shrink that SGD suffers in full
+    assert scaling["clip.adamw.update_ratio_right_over_wrong"] < scaling["clip.sgd.update_ratio_right_over_wrong"] / 100
+    assert scaling["clip.sgd.unscaled.steps_taken"] == scaling["clip.sgd.scaled.steps_taken"] > 0
     ops = load("08_sensitive_ops")
     assert ops["err.log_softmax.bf16"] > ops["err.log_softmax.fp16"] > ops["err.log_softmax.bf16_fp32_out"]
     # the logsumexp and the median log-probability share a binade, and its bf16 spacing bounds the rounding
@@ -244,11 +285,20 @@ def test_toolkit_chapters_measure_what_they_claim():
     rule = {e: ops[f"adam.eps_rule.{e}.step_over_lr"] for e in ("1e-7", "1e-4", "floor")}
     assert all(ops[f"adam.eps_rule.{e}.v_flushed"] for e in rule)
     assert rule["1e-7"] > 1000 and rule["1e-4"] > 10 and 0 < rule["floor"] <= 1.0 + 0.5
+    # fp16 overflow: the fp16 forward fails where the fp32 headroom says, and the lab's model has room
+    for place in ("residual", "attention_scores", "mlp_hidden"):
+        assert ops[f"activation.{place}.headroom"] > 10
+        assert abs(ops[f"overflow.{place}.first_log2"] - ops[f"overflow.{place}.predicted_log2"]) <= 1
+    assert ops["overflow.mlp_hidden.where"].startswith("mlp_hidden")
+    assert ops["fp16_costs.flushed_gradients.activations"] > ops["fp16_costs.flushed_gradients.weights"]
+    assert ops["fp16_costs.adam_v_flushed"] > 0
     fp8 = load("09_fp8")
     for tensor in ("weights", "activations", "gradients"):
         assert fp8[f"qerr.{tensor}.e4m3fn.block"] < fp8[f"qerr.{tensor}.e5m2.block"]  # one more mantissa bit
     assert fp8["flushed.gradients.e4m3fn.none"] > fp8["flushed.gradients.e5m2.none"]  # less range
     assert fp8["cast.torch"] == load("09_fp8", "env")["torch"]
+    if fp8["matmul.outcome"] == "ran":  # a scaled E4M3 matmul: a few per cent off fp32, not exact, not garbage
+        assert 0.005 < fp8["matmul.rel_error_vs_fp32"] < 0.1
     saturated = fp8["cast.e4m3fn.values.1000"] == 448.0 and fp8["cast.e4m3fn.values.-10000"] == -448.0
     assert saturated == fp8["cast.e4m3fn.behaviour"].startswith("saturates")  # the prose follows the cast
     out = load("10_scaling_out")

@@ -199,3 +199,16 @@ def test_paired_bias_is_zero_for_identical_samplers_and_finds_a_planted_shift():
     shifted = mismatch_rl.paired_bias(noisy + torch.tensor([0.0, 0.5, 0.0, 0.0]), baseline)
     assert shifted["relative_bias_sq"] == pytest.approx(0.25, abs=4 * shifted["relative_bias_sq_stderr"])
     assert shifted["relative_bias_sq"] > 3 * shifted["relative_bias_sq_stderr"]
+
+
+def test_sweeps_run_in_a_serial_pool_on_the_lab_model(tiny_profile, lab_cache):
+    from labutils import mismatch_rl
+
+    pool = mismatch_rl.workers(1)
+    model, tokenizer = models.load(None, "dense", tiny_profile, seed=0)
+    prompts = [tokenizer(task.Problem(3, 7, 2).prompt, add_special_tokens=False)["input_ids"]] * 2
+    dial = mismatch_rl.dial_sweep(tiny_profile, ["m2", "fp32"], prompts, 20, 0, 10, pool)
+    assert dial["m2"]["token_kl"] > dial["fp32"]["token_kl"] and dial["m2"]["tokens"] == 40
+    rows = mismatch_rl.gradients(tiny_profile, [("fp32", 1), ("m2", 1)], prompts, ["3", "3"], 2, 3, 12, pool)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert [r.shape for r in rows] == [(3, parameters)] * 2
