@@ -47,8 +47,8 @@ browser:
 bench:
 	$(PY) -m labutils.pipeline bench
 
-# The long run behind chapter 5b's verdict: uncorrected FP8-mantissa sampler vs matched vs TIS,
-# 8 seeds × 10× the chapter's steps, on every core (about 30 minutes on 2 cores). Writes
+# The long run behind chapter 5b's verdict: the uncorrected coarse sampler vs matched fp32 vs token
+# TIS vs bf16, 8 seeds × over 10× the chapter's steps, on every core (21 minutes on 2 cores). Writes
 # results/long/05b_sampler_precision.json, which the chapter shows when present; commit it.
 long: $(STAMP)
 	$(PY) -m labutils.mismatch_rl long

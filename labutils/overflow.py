@@ -28,10 +28,12 @@ def _probe_attention(module, query, key, value, attention_mask, scaling, dropout
 
 
 def register_probe() -> str:
-    """Register the score-recording attention (eager maths) with transformers; returns its name."""
+    """Register the score-recording attention (eager maths, eager masks) with transformers; returns its name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(PROBE, _probe_attention)
+    AttentionMaskInterface.register(PROBE, eager_mask)  # without a mask function transformers builds no mask at all
     return PROBE
 
 

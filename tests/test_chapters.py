@@ -302,6 +302,8 @@ def test_toolkit_chapters_measure_what_they_claim():
     saturated = fp8["cast.e4m3fn.values.1000"] == 448.0 and fp8["cast.e4m3fn.values.-10000"] == -448.0
     assert saturated == fp8["cast.e4m3fn.behaviour"].startswith("saturates")  # the prose follows the cast
     out = load("10_scaling_out")
+    # the same experiment on 1 and 2 processes: the global batch is split, not doubled
+    assert out["ddp.global_batch"] == out["single.global_batch"] == out["ddp.per_process_batch"] * out["ddp.world_size"]
     assert out["ddp.world_size"] == 2 and out["single.world_size"] == 1
     assert out["fsdp.from_file.reduce_dtype"] == "float16" and out["fsdp.with_policy.reduce_dtype"] == "float32"
     assert out["fsdp.scaler_class"] == "torch.amp.grad_scaler.GradScaler"  # FSDP2: not the ShardedGradScaler

@@ -83,7 +83,11 @@ def test_maxima_need_the_probe_and_record_every_place(tiny_profile, lab_cache):
     assert seen.first_nonfinite() is None
     with torch.no_grad(), overflow.Maxima(probed) as again:
         probed(input_ids=ids)
-    assert again.max == seen.max  # each recorder starts from zero; the probe does not change the forward
+    assert again.max == seen.max  # each recorder starts from zero
+    eager, _ = models.load(None, "dense", tiny_profile, seed=0, attn_implementation="eager")
+    padded = tokenizer([task.Problem(3, 7, 5).prompt, task.Problem(3, 7, 1).prompt], return_tensors="pt", padding=True)
+    with torch.no_grad():  # the probe computes what eager attention computes, causal and padding masks included
+        assert torch.equal(probed(**padded).logits, eager(**padded).logits)
 
 
 def test_overflow_scan_finds_the_predicted_factor(tiny_profile, lab_cache):
