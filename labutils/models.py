@@ -185,9 +185,18 @@ def lab_model_dir(kind: str, profile: Profile, seed: int = 0, rebuild: bool = Fa
     size, plan = (profile.dense, profile.warmup) if kind == "dense" else (profile.moe, profile.moe_warmup)
     path = cache_root() / f"{kind}-{profile.name}-s{seed}-{build_key(kind, size, plan, seed)}"
     if rebuild or not _is_complete(path):
-        print(f"building the lab's {kind} model into {path} (one-time warm-up)")
+        print(f"building the lab's {kind} model into {display_path(path)} (one-time warm-up)")
         _build(kind, size, plan, seed, path)
     return path
+
+
+def display_path(path) -> str:
+    """A lab model's folder as a reader should see it: under $LAB_CACHE (or ~/.cache/precision-lab)."""
+    path = Path(path)
+    try:
+        return f"<lab cache>/models/{path.relative_to(cache_root())}"
+    except ValueError:
+        return str(path)  # a model the reader passed in: their own path
 
 
 def lab_metadata(path: Path) -> dict:
