@@ -54,4 +54,4 @@ class UnmergedTrainingEngine(rollout.TrainingEngine):
             p.data = p.data.to(adapter_dtype or dtype)
         self.dtype, self.adapter_dtype = dtype, adapter_dtype or dtype
         self.device, self.micro_batch = device, micro_batch
-        self.pad_id, self.eos_id = self.model.config.pad_token_id, self.model.config.eos_token_id
+        self.pad_id, self.eos_id = rollout.special_ids(self.model.config)

@@ -214,11 +214,60 @@ def resolve_model(model_id: str | None, kind: str, profile: Profile, seed: int =
         if not (local / "config.json").is_file():
             raise FileNotFoundError(f"model_id={model_id!r} is a directory without config.json; "
                                     "point it at a save_pretrained directory.")
+        if kind == "moe":
+            _check_experts(model_id, str(local))
         return str(local)
     if looks_local:
         raise FileNotFoundError(f"model_id={model_id!r} does not exist; pass an existing "
                                 "save_pretrained directory or a hub id such as 'Qwen/Qwen2.5-0.5B'.")
+    if kind == "moe":
+        _check_experts(model_id, model_id)
     return model_id  # a hub id: from_pretrained fetches it (the only network access)
+
+
+def experts_of(config) -> tuple[int, int]:
+    """(experts per layer, experts per token) of a transformers config; (0, 0) for a dense model."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return int(experts), int(getattr(config, "num_experts_per_tok", 0) or 0)
+
+
+def _check_experts(model_id: str, path: str) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    if experts_of(config)[0] < 2:
+        raise ValueError(f"model_id={model_id!r} is a dense {config.model_type} model with no experts; this "
+                         "chapter needs a mixture-of-experts checkpoint (Mixtral, Qwen-MoE, OLMoE) or None.")
+
+
+def complete_special_tokens(model, tokenizer) -> list[str]:
+    """Give a checkpoint what the engines need: an EOS id, a pad id (EOS when it has none), left padding.
+
+    Many Llama- and Qwen-family checkpoints ship without a pad token, pad on the right and leave
+    `pad_token_id` out of their config. Returns what was filled in, for one line of report.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {model.config.name_or_path!r} has no EOS token; completions end "
+                         "at EOS here: set tokenizer.eos_token, or pick a checkpoint whose tokenizer has one.")
+    rows = model.get_input_embeddings().num_embeddings
+    if tokenizer.eos_token_id >= rows:
+        raise ValueError(f"the tokenizer's EOS id {tokenizer.eos_token_id} is outside the model's {rows} "
+                         "embeddings; the tokenizer does not belong to this model.")
+    filled = []
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id >= rows:  # none, or one the model never saw
+        tokenizer.pad_token = tokenizer.eos_token
+        filled.append(f"pad token = EOS ({tokenizer.eos_token!r})")
+    if tokenizer.padding_side != "left":  # batched generation continues every row at the same position
+        tokenizer.padding_side = "left"
+        filled.append("padding on the left")
+    for config in (model.config, getattr(model, "generation_config", None)):
+        if config is None:
+            continue
+        if config.pad_token_id is None:
+            config.pad_token_id = tokenizer.pad_token_id
+        if not isinstance(config.eos_token_id, int):  # None, or a list of stop ids
+            config.eos_token_id = tokenizer.eos_token_id
+    return filled
 
 
 def load(model_id: str | None = None, kind: str = "dense", profile: Profile | None = None,
@@ -240,6 +289,10 @@ def load(model_id: str | None = None, kind: str = "dense", profile: Profile | No
         path = str(lab_model_dir(kind, profile, seed, rebuild=True))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
+    if model_id is not None:
+        filled = complete_special_tokens(model, tokenizer)
+        if filled:
+            print(f"{model_id}: {', '.join(filled)}")
     if "device_map" not in kwargs and "quantization_config" not in kwargs:
         model = model.to(device)
     model.eval()

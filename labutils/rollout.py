@@ -41,6 +41,15 @@ def engine_dtype(name: str, device: str = "cpu") -> torch.dtype:
     return dtype
 
 
+def special_ids(config) -> tuple[int, int]:
+    """(pad id, EOS id) of a model config: EOS pads where the checkpoint names no pad token."""
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, (list, tuple)) else config.eos_token_id
+    if eos is None:
+        raise ValueError(f"{config.name_or_path or config.model_type!r} has no eos_token_id in its config; "
+                         "completions end at EOS here: load it with labutils.models.load, or set config.eos_token_id.")
+    return (eos if config.pad_token_id is None else config.pad_token_id), eos
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that start at 0 on each row's first real token (padding on either side)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -95,8 +104,7 @@ class InferenceEngine:
         if self.dial is not None:
             self.dial.install(self.model)
         self.dtype, self.device = dtype, device
-        config = self.model.config
-        self.pad_id, self.eos_id = config.pad_token_id, config.eos_token_id
+        self.pad_id, self.eos_id = special_ids(self.model.config)
 
     @torch.no_grad()
     def sync(self, model) -> None:
@@ -235,7 +243,7 @@ class TrainingEngine:
             raise ValueError(f"micro_batch={micro_batch} must be a positive number of sequences.")
         self.model = _fresh_copy(model, dtype, device)
         self.dtype, self.device, self.micro_batch = dtype, device, micro_batch
-        self.pad_id, self.eos_id = self.model.config.pad_token_id, self.model.config.eos_token_id
+        self.pad_id, self.eos_id = special_ids(self.model.config)
 
     @torch.no_grad()
     def score(self, rollout: Rollout, temperature: float = 1.0, keep_vocab: bool = False,
@@ -326,6 +334,6 @@ def plain_forward_seconds(model, rollout: Rollout, micro_batch: int, device: str
     start = perf_counter()
     for first in range(0, len(rollout.prompt_ids), micro_batch):
         rows = torch.arange(first, min(first + micro_batch, len(rollout.prompt_ids)))
-        ids, mask, _ = pack(rollout, rows, model.config.pad_token_id)
+        ids, mask, _ = pack(rollout, rows, special_ids(model.config)[0])
         model(input_ids=ids.to(device), attention_mask=mask.to(device))
     return perf_counter() - start
