@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: book test chapters bench clean setup browser long
+.PHONY: book test chapters bench clean setup browser long wheels gpu-check
 
 setup: $(STAMP)
 
@@ -52,6 +52,22 @@ bench:
 # results/long/05b_sampler_precision.json, which the chapter shows when present; commit it.
 long: $(STAMP)
 	$(PY) -m labutils.mismatch_rl long
+
+# Wheels for a CUDA machine without network (a lent GPU box, an air-gapped server): what the book needs
+# beyond that machine's own torch, CUDA, scientific and Hugging Face stacks, for its Python, under 60 MB.
+PYVER ?= 3.12
+WHEELS ?= .whl
+wheels: $(STAMP)
+	$(PY) -m labutils.wheels --python $(PYVER) --dest $(WHEELS)
+
+# On that CUDA machine, with its own Python and torch and the wheel folder brought along: every chapter in
+# the trimmed gpu profile, sized for a six-minute run on one H200 (`--budget` stops it in time), results
+# with provenance in results/gpu/.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/precision-lab-site
+gpu-check:
+	$(GPU_PYTHON) -m labutils.gpu_check install --wheels $(WHEELS) --target $(GPU_SITE)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) -m labutils.gpu_check run
 
 clean:
 	rm -rf _build

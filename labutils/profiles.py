@@ -38,6 +38,7 @@ class TaskRange:
     min_walk: int
     max_walk: int
     eval_problems: int
+    length_problems: int = 32  # problems per walk length in accuracy-by-length curves
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,45 @@ PROFILES = {
 }
 
 
+GPU_PATHS_ON_CPU = "LAB_GPU_PATHS_ON_CPU"  # test mode, set by tests/test_gpu_paths.py; no reader's profile
+
+
+def gpu_paths_on_cpu(gpu: Profile) -> Profile:
+    """The gpu profile's model sizes, group sizes and ranks on the CPU, every step and count at a minimum.
+
+    It executes the gpu profile's code paths (shapes, configs, API calls) where CI runs; its numbers
+    mean nothing: the models are barely warmed up.
+    """
+    short = dict(steps=2, batch_size=2 * gpu.grpo.num_generations, prompts=64)
+    return replace(
+        gpu, device="cpu",
+        warmup=replace(gpu.warmup, steps=2, batch_size=4),
+        moe_warmup=replace(gpu.moe_warmup, steps=2, batch_size=4),
+        task=replace(gpu.task, eval_problems=8, length_problems=2),
+        grpo=replace(gpu.grpo, **short),
+        rl=replace(gpu.rl, **short),
+        sampler_rl=replace(gpu.sampler_rl, **short),
+        mismatch=replace(gpu.mismatch, sequences=4, min_len=16, max_len=96),
+        sampler=replace(gpu.sampler, dial_sequences=2, dial_length=64, bias_prompts=2, bias_batches=1, seeds=2,
+                        eval_problems=8, eval_every=1),
+    )
+
+
+GPU_TRIMMED = "LAB_GPU_TRIMMED"  # set by `make gpu-check`: the gpu profile, trimmed to fit a short GPU lease
+
+
+def gpu_trimmed(gpu: Profile) -> Profile:
+    """The gpu profile's models, groups and lengths with fewer steps, seeds and sequences (`make gpu-check`)."""
+    return replace(
+        gpu,
+        warmup=replace(gpu.warmup, steps=300), moe_warmup=replace(gpu.moe_warmup, steps=300),
+        task=replace(gpu.task, eval_problems=256),
+        grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
+        mismatch=replace(gpu.mismatch, sequences=256),
+        sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
+    )
+
+
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 arithmetic, which the chapters compare
 
 
@@ -163,8 +203,12 @@ def resolve(profile: str) -> Profile:
         raise ValueError(
             f"profile={profile!r} is not a profile; choose one of {', '.join(map(repr, VALID_PROFILES))}."
         )
+    import os
+
     import torch
 
+    if profile == "gpu" and os.environ.get(GPU_PATHS_ON_CPU) == "1":
+        return gpu_paths_on_cpu(PROFILES["gpu"])
     if profile == "gpu" and not torch.cuda.is_available():
         raise ValueError("profile='gpu' needs a CUDA GPU and this machine has none; "
                          "use profile='cpu' (or 'auto', which picks it here).")
@@ -178,6 +222,8 @@ def resolve(profile: str) -> Profile:
                 print(f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
                       "has no bf16 arithmetic, which the chapters compare: running the cpu profile. "
                       "Pass profile='gpu' to run the fp16/fp32 parts on it.")
+    if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
+        return gpu_trimmed(PROFILES["gpu"])
     return PROFILES[profile]
 
 

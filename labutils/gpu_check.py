@@ -1,0 +1,185 @@
+"""The GPU check: every chapter in the trimmed gpu profile on a CUDA machine without network.
+
+    python -m labutils.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
+    PYTHONPATH=/tmp/precision-lab-site:. python -m labutils.gpu_check run [STEM ...] [--budget 330]
+    make gpu-check        # both, with that machine's own Python and torch
+
+`install` needs only the standard library: it runs before the book's libraries exist. It installs
+from the wheel folder (`make wheels`) what the machine lacks, plus the libraries whose versions
+the chapters are about, and checks that the rest imports, before any chapter runs. `run` executes
+each chapter with papermill, writes `results/gpu/<chapter>.json` with provenance for each chapter
+that completed, prints its seconds, and estimates what the untrimmed gpu profile would take.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "results" / "gpu"
+TARGET = "/tmp/precision-lab-site"
+NEEDED = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "papermill", "jupytext",
+          "ipykernel", "myst_nb", "pandas", "scipy", "matplotlib", "datasets")
+
+
+def install(wheels: Path, target: str) -> None:
+    """Install the wheels this Python lacks (and MATCH's always) into `target`; refuse early if one still fails."""
+    from .wheels import MATCH, canonical
+
+    if not wheels.is_dir() or not any(wheels.glob("*.whl")):
+        raise SystemExit(f"no wheels in {wheels}: run `make wheels PYVER=3.12` where there is network, "
+                         "and bring the folder along.")
+
+    def missing(wheel: Path) -> bool:
+        name = canonical(wheel.name.split("-")[0])
+        try:
+            metadata.version(name)
+            return name in MATCH
+        except metadata.PackageNotFoundError:
+            return True
+
+    chosen = [str(w) for w in sorted(wheels.glob("*.whl")) if missing(w)]
+    if chosen:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", target, *chosen], check=True)
+    probe = "import " + ", ".join(NEEDED) + "; import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    check = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    if check.returncode:
+        raise SystemExit(f"after installing {len(chosen)} wheels the book still cannot start here: "
+                         f"{check.stderr.strip().splitlines()[-1]}")
+    print(f"installed {len(chosen)} wheels into {target}; every library the chapters import is there")
+
+
+def _scale(stem: str, full, trimmed) -> float:
+    """How much more work the untrimmed gpu profile does than the trimmed one, by the chapter's dominant loop."""
+    loops = {
+        "00_lab": (full.warmup.steps + full.moe_warmup.steps) / (trimmed.warmup.steps + trimmed.moe_warmup.steps),
+        "02_qlora_crash": full.grpo.steps / trimmed.grpo.steps,
+        "04_mismatch": full.mismatch.sequences / trimmed.mismatch.sequences,
+        "05_grpo_precision": full.rl.steps / trimmed.rl.steps,
+        "05b_sampler_precision": (full.sampler_rl.steps * full.sampler.seeds)
+        / (trimmed.sampler_rl.steps * trimmed.sampler.seeds),
+        "06_moe": full.rl.steps / trimmed.rl.steps,
+        "07_lora": full.grpo.steps / trimmed.grpo.steps,
+        "10_scaling_out": full.rl.steps / trimmed.rl.steps,
+    }
+    return loops.get(stem, 1.0)
+
+
+def provenance(trimmed) -> dict:
+    """Which GPU, driver, CUDA and libraries, and the trimmed parameters, for every results file of this run."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        driver = "unknown"
+    commit = os.environ.get("BOOK_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                                               capture_output=True, text=True).stdout.strip()
+    versions = {}
+    for name in NEEDED:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            versions[name] = "?"
+    return {"gpu": torch.cuda.get_device_name(0), "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1), "driver": driver, "cuda": torch.version.cuda,
+            "python": sys.version.split()[0], "versions": versions, "commit": commit or "unknown",
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "chapters_at_once": 1,
+            "trimmed": True, "parameters": dataclasses.asdict(trimmed)}
+
+
+def _execute(stem: str, work: Path, timeout: float) -> tuple[float, str]:
+    """Run one chapter with papermill in its own process; (seconds, "" or what went wrong)."""
+    import jupytext
+
+    from . import pipeline
+
+    plain, executed = work / f"{stem}.ipynb", work / f"{stem}.out.ipynb"
+    notebook = jupytext.read(ROOT / "chapters" / f"{stem}.md")
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    jupytext.write(notebook, plain)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "papermill", "--no-progress-bar", str(plain), str(executed),
+                               "-p", "profile", "gpu", "--cwd", str(ROOT)], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - start, f"stopped after {timeout:.0f} s"
+    seconds = time.perf_counter() - start
+    try:
+        if done.returncode:
+            pipeline._accept_expected_errors(executed)
+        pipeline._check_required_errors(executed, "cuda")
+    except (pipeline.ChapterError, OSError) as err:
+        return seconds, str(err).splitlines()[0] or done.stderr.strip().splitlines()[-1]
+    return seconds, ""
+
+
+def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
+    """Execute `stems` (all chapters by default) within `budget` seconds; returns {stem: outcome}."""
+    import torch
+
+    from . import pipeline, profiles
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check run needs a CUDA GPU, and torch sees none here.")
+    os.environ[profiles.GPU_TRIMMED] = "1"
+    full, trimmed = profiles.PROFILES["gpu"], profiles.gpu_trimmed(profiles.PROFILES["gpu"])
+    record = provenance(trimmed)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    os.environ["LAB_RESULTS_DIR"] = str(work / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    began, outcomes = time.perf_counter(), {}
+    print(f"{record['gpu']} (capability {record['capability']}, driver {record['driver']}, CUDA {record['cuda']})")
+    print(f"{'chapter':<24}{'seconds':>9}{'untrimmed est.':>16}  outcome")
+    for stem in stems or pipeline.chapters():
+        left = budget - (time.perf_counter() - began)
+        if left < 10:
+            outcomes[stem] = "not run: the budget was spent"
+            print(f"{stem:<24}{'-':>9}{'-':>16}  {outcomes[stem]}")
+            continue
+        seconds, problem = _execute(stem, work, timeout=left)
+        produced = work / "results" / f"{stem}.json"
+        if not problem and produced.is_file():
+            data = json.loads(produced.read_text())
+            data["provenance"] = {**record, "seconds": round(seconds, 1),
+                                  "untrimmed_estimate_s": round(seconds * _scale(stem, full, trimmed))}
+            (out / f"{stem}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+        outcomes[stem] = problem or ("completed" if produced.is_file() else "no results file written")
+        estimate = f"{seconds * _scale(stem, full, trimmed):.0f}" if not problem else "-"
+        print(f"{stem:<24}{seconds:>9.1f}{estimate:>16}  {outcomes[stem]}", flush=True)
+    print(f"total {time.perf_counter() - began:.0f} s; results of completed chapters in {out}")
+    shutil.rmtree(work, ignore_errors=True)
+    return outcomes
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("command", choices=("install", "run"))
+    parser.add_argument("stems", nargs="*", help="chapters to run (default: all)")
+    parser.add_argument("--wheels", default=str(ROOT / ".whl"), type=Path)
+    parser.add_argument("--target", default=TARGET)
+    parser.add_argument("--budget", default=330.0, type=float, help="seconds for all chapters together")
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        install(args.wheels, args.target)
+    else:
+        run(args.stems, args.budget)
+
+
+if __name__ == "__main__":
+    main()
