@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: book test chapters bench clean setup browser long wheels gpu-check
+.PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check
 
 setup: $(STAMP)
 
@@ -36,16 +36,22 @@ book: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m pytest
 
-# Debian's chromium for the browser test (tests/test_site.py), installed only where we are root
-# with apt-get; elsewhere install it yourself or set CHROMIUM=/path/to/chromium, or the test is skipped.
+# Debian's chromium for `make pdf` and the browser tests (tests/test_site.py, tests/test_pdf.py), installed
+# only where we are root with apt-get; elsewhere install it yourself or set CHROMIUM=/path/to/chromium, or the test is skipped.
 browser:
 	@if [ -x "$(CHROMIUM)" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get install -y -q chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium >/dev/null; }; \
 	else echo "no chromium at $(CHROMIUM) and no root apt-get: the browser test will be skipped"; fi
 
+# The book as one PDF, printed from its HTML by headless Chromium (no LaTeX): _build/book.pdf, and a
+# copy in _build/html that the landing page links to.
+pdf: $(STAMP) browser
+	CHROMIUM=$(CHROMIUM) $(PY) -m labutils.pipeline pdf --profile $(PROFILE)
+
+# COMPARE=1: the whole book executed twice from scratch, serially and two at a time, and the ratio
 bench:
-	$(PY) -m labutils.pipeline bench
+	$(PY) -m labutils.pipeline bench $(if $(COMPARE),--compare)
 
 # The long run behind chapter 5b's verdict: the uncorrected coarse sampler vs matched fp32 vs token
 # TIS vs bf16, 8 seeds × over 10× the chapter's steps, on every core (21 minutes on 2 cores). Writes

@@ -1,6 +1,7 @@
 """The GPU check: every chapter in the trimmed gpu profile on a CUDA machine without network.
 
     python -m labutils.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
+    python -m labutils.gpu_check expect   # per chapter: computed memory bound, L4/A100 fit, GPU seconds if run
     PYTHONPATH=/tmp/precision-lab-site:. python -m labutils.gpu_check run [STEM ...] [--budget 330]
     make gpu-check        # both, with that machine's own Python and torch
 
@@ -75,6 +76,52 @@ def _scale(stem: str, full, trimmed) -> float:
         "10_scaling_out": full.rl.steps / trimmed.rl.steps,
     }
     return loops.get(stem, 1.0)
+
+
+L4_GIB, A100_GIB = 24, 40  # the smaller cards readers rent: Colab's L4, a 40 GB A100
+
+
+def memory_estimate(profile) -> dict[str, float]:
+    """An upper bound on each chapter's peak GPU memory in GiB, computed from the profile (not measured).
+
+    Weights, gradients and AdamW state in fp32 (16 bytes a parameter), plus the activations of the
+    largest batch a chapter trains on (34 bytes per token, hidden unit and layer for a backward
+    through 16-bit activations, Korthikanti et al. 2022, with attention by SDPA) or scores without
+    gradients (one layer's activations at a time), plus fp32 logits.
+    """
+    from . import task
+
+    def params(size, vocab=32):
+        mlp = 3 * size.hidden_size * size.intermediate_size * max(1, size.num_experts)
+        kv = 2 * size.hidden_size * size.hidden_size * size.num_kv_heads // size.num_heads
+        return size.num_layers * (2 * size.hidden_size ** 2 + kv + mlp) + vocab * size.hidden_size
+
+    def training(size, tokens):
+        return 16 * params(size) + 34 * tokens * size.hidden_size * size.num_layers + 12 * tokens * 32
+
+    def scoring(size, tokens):
+        return 4 * params(size) + 4 * 12 * tokens * size.hidden_size + 4 * tokens * 32
+
+    def rl_tokens(plan):
+        return plan.batch_size * (8 + task.completion_length(plan.max_walk) + 1)
+
+    dense, moe, m = profile.dense, profile.moe, profile.mismatch
+    longest = m.micro_batch * (8 + m.max_len)
+    need = {
+        "00_lab": training(dense, profile.warmup.batch_size * (8 + task.completion_length(profile.warmup.max_walk))),
+        "02_qlora_crash": training(dense, rl_tokens(profile.grpo)),
+        "03_loss_scaling": training(dense, rl_tokens(profile.grpo)),
+        "04_mismatch": scoring(dense, longest),
+        "05_grpo_precision": training(dense, rl_tokens(profile.rl)),
+        "05b_sampler_precision": max(training(dense, rl_tokens(profile.sampler_rl)),
+                                     scoring(dense, profile.sampler.dial_sequences * profile.sampler.dial_length)),
+        "06_moe": max(training(moe, rl_tokens(profile.rl)), scoring(moe, longest)),
+        "07_lora": training(dense, rl_tokens(profile.grpo)),
+        "08_sensitive_ops": scoring(dense, longest),
+        "09_fp8": 36 * 4096 ** 2,  # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096
+        "10_scaling_out": training(dense, rl_tokens(profile.rl)),
+    }
+    return {stem: round(need.get(stem, 0) / 2**30, 2) for stem in need}
 
 
 def provenance(trimmed) -> dict:
@@ -167,9 +214,26 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
     return outcomes
 
 
+def expectations(root: Path = ROOT) -> list[dict]:
+    """Per chapter: the computed memory bound against an L4 and a 40 GB A100, and the H200 run's seconds if any."""
+    from . import pipeline, profiles
+
+    memory = memory_estimate(profiles.PROFILES["gpu"])
+    rows = []
+    for stem in pipeline.chapters(root):
+        run = json.loads(path.read_text()).get("provenance", {}) if (path := root / "results" / "gpu" /
+                                                                    f"{stem}.json").is_file() else {}
+        gib = memory.get(stem, 0.0)
+        rows.append({"chapter": stem, "peak memory bound (GiB, computed)": gib,
+                     "fits an L4": gib < L4_GIB, "fits an A100 40GB": gib < A100_GIB,
+                     "trimmed run (s)": run.get("seconds"), "on": run.get("gpu"),
+                     "untrimmed estimate (s)": run.get("untrimmed_estimate_s")})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=("install", "run"))
+    parser.add_argument("command", choices=("install", "run", "expect"))
     parser.add_argument("stems", nargs="*", help="chapters to run (default: all)")
     parser.add_argument("--wheels", default=str(ROOT / ".whl"), type=Path)
     parser.add_argument("--target", default=TARGET)
@@ -177,6 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "install":
         install(args.wheels, args.target)
+    elif args.command == "expect":
+        for row in expectations():
+            print("  ".join(f"{k}: {v}" for k, v in row.items()))
     else:
         run(args.stems, args.budget)
 

@@ -48,8 +48,12 @@ def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
 
 
 def execute(stem: str, profile: str = "auto", parameters: dict | None = None, force: bool = False,
-            root: Path = ROOT) -> Path:
-    """Run one chapter with papermill unless its fingerprint is unchanged; returns the executed notebook."""
+            root: Path = ROOT, build: Path | None = None) -> Path:
+    """Run one chapter with papermill unless its fingerprint is unchanged; returns the executed notebook.
+
+    Notebooks and results go to `build` (the book's `_build` by default; a participant's own runs
+    go to `own_build(...)`, so they never reach the book).
+    """
     import jupytext
     import papermill
 
@@ -57,13 +61,12 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     if not source.is_file():
         raise FileNotFoundError(f"no chapter {source}; known chapters: {', '.join(chapters(root))}.")
     params = {"profile": resolve_profile(profile), **(parameters or {})}
-    build = root / "_build"
+    build = build or root / "_build"
     executed = build / "executed" / f"{stem}.ipynb"
     stamp = executed.with_suffix(".fingerprint")
     results_file = build / "results" / f"{stem}.json"
     key = fingerprint(stem, params, root)
-    if not force and executed.is_file() and stamp.is_file() and stamp.read_text() == key \
-            and results_fingerprint(results_file) == key:
+    if not force and up_to_date(stem, params, build, root):
         print(f"{stem}: unchanged, not executed again")
         return executed
     plain = build / "notebooks" / f"{stem}.ipynb"
@@ -85,6 +88,15 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     stamp.write_text(key)
     print(f"{stem}: executed in {time.perf_counter() - start:.1f} s ({params})")
     return executed
+
+
+def up_to_date(stem: str, params: dict, build: Path, root: Path = ROOT) -> bool:
+    """The executed notebook and its results in `build` both belong to this source and these parameters."""
+    executed = build / "executed" / f"{stem}.ipynb"
+    stamp = executed.with_suffix(".fingerprint")
+    key = fingerprint(stem, params, root)
+    return executed.is_file() and stamp.is_file() and stamp.read_text() == key \
+        and results_fingerprint(build / "results" / f"{stem}.json") == key
 
 
 class ChapterError(RuntimeError):
@@ -127,10 +139,70 @@ REQUIRED = {"error-required": ("cpu", "cuda"), "error-required-cuda": ("cuda",),
 
 
 def _device(profile: str) -> str:
-    """The device a chapter computes on in `profile`."""
+    """The device a chapter computes on in `profile` here."""
     from . import profiles
 
-    return profiles.PROFILES[profile].device if profile in profiles.PROFILES else "cpu"
+    try:
+        return profiles.resolve(profile).device
+    except ValueError:  # the chapter refused this profile itself
+        return "cpu"
+
+
+def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
+    """Where a participant's own runs go (`_build/runs/<name>`): never the book's results."""
+    name = participant or os.environ.get("LAB_PARTICIPANT") or "mine"
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"participant {name!r} is not a folder name; use letters, digits, '.', '_' or '-'.")
+    return root / "_build" / "runs" / name
+
+
+FIRST = "00_lab"  # builds the lab's models
+WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none: they run beside chapter 0
+
+
+def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
+                build: Path | None = None, root: Path = ROOT) -> float:
+    """Execute `stems` `jobs` at a time, each in a process of its own; returns the wall seconds.
+
+    Chapter 0 goes first (beside the chapters that need no model), then the rest, longest last run
+    first. With `jobs` > 1 every kernel is single-threaded, so two chapters do not fight over the
+    cores; `jobs=1` runs them one after another with torch's default threads.
+    """
+    import concurrent.futures
+
+    build = build or root / "_build"
+    env = dict(os.environ)
+    if jobs > 1:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    order = sorted(stems, key=lambda s: (s != FIRST, s not in WITHOUT_MODELS,
+                                         -_last_seconds(build / "results" / f"{s}.json")))
+    futures: dict = {}
+
+    def one(stem: str) -> None:
+        if stem != FIRST and stem not in WITHOUT_MODELS and FIRST in futures:
+            futures[FIRST].result()  # the models exist (or chapter 0 failed, and this one would too)
+        if not force and up_to_date(stem, {"profile": resolve_profile(profile)}, build, root):
+            print(f"{stem}: unchanged, not executed again")
+            return
+        command = [sys.executable, "-m", "labutils.pipeline", "execute", stem, "--profile", profile,
+                   "--build", str(build)] + (["--force"] if force else [])
+        subprocess.run(command, check=True, env=env, cwd=root)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for stem in order:
+            futures[stem] = pool.submit(one, stem)
+    failed = [stem for stem, future in futures.items() if future.exception() is not None]
+    if failed:  # every other chapter has finished: one failure does not cost the rest
+        raise ChapterError(f"{', '.join(failed)} failed (the output above says why).")
+    return time.perf_counter() - start
+
+
+def _last_seconds(path: Path) -> float:
+    try:
+        return float(json.loads(path.read_text())["seconds"])
+    except (OSError, ValueError, KeyError):
+        return 0.0
 
 
 def _check_required_errors(executed: Path, device: str) -> None:
@@ -181,6 +253,11 @@ def stage(root: Path = ROOT) -> None:
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
     _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
+    from . import status
+
+    _write_if_changed(status.page(root), SITE / "appendix" / "build_status.md")
+    for css in (root / "_static").glob("*.css"):  # the book's own styles: print, dark mode, the ledger
+        _copy_if_changed(css, SITE / "_static" / css.name)
 
 
 def _stage_mathjax() -> None:
@@ -253,20 +330,67 @@ def bench(root: Path = ROOT) -> float:
     return total
 
 
+def compare(jobs: int = 2, root: Path = ROOT) -> float:
+    """The whole book executed twice from scratch, serially and `jobs` at a time; prints both and the ratio."""
+    import tempfile
+
+    stems = chapters(root)
+    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+        serial = execute_all(stems, "cpu", jobs=1, force=True, build=Path(scratch) / "serial", root=root)
+        concurrent = execute_all(stems, "cpu", jobs=jobs, force=True, build=Path(scratch) / "concurrent", root=root)
+    print(f"whole book, cpu profile: serial {serial:.0f} s, {jobs} at a time {concurrent:.0f} s: "
+          f"{serial / concurrent:.2f}x faster")
+    return serial / concurrent
+
+
+def _parameter(text: str) -> tuple[str, object]:
+    """`key=value` -> (key, value), the value read as a Python literal where it is one (`seed=1`, `steps=4`)."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r} is not key=value (for example -p seed=1).")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=("execute", "book", "bench"))
+    parser.add_argument("command", choices=("execute", "book", "bench", "pdf", "run"))
     parser.add_argument("stems", nargs="*", help="chapters to execute (default: all)")
     parser.add_argument("--profile", default="auto", help="auto, cpu or gpu")
     parser.add_argument("--force", action="store_true", help="execute even if unchanged")
+    parser.add_argument("--jobs", type=int, default=2, help="chapters executed at a time (after chapter 0)")
+    parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--compare", action="store_true", help="bench: serial against --jobs at a time")
+    parser.add_argument("-p", dest="parameters", action="append", type=_parameter, default=[],
+                        help="run: a chapter parameter, key=value (repeatable)")
+    parser.add_argument("--participant", help="run: whose runs folder (_build/runs/<name>; default $LAB_PARTICIPANT)")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        bench()
+        compare(args.jobs) if args.compare else bench()
         return
-    for stem in args.stems or chapters():
-        execute(stem, args.profile, force=args.force)
+    if args.command == "run":  # a participant's run: its own folder, other parameters, never the book's results
+        if len(args.stems) != 1:
+            parser.error("run takes one chapter, e.g. `run 04_mismatch -p seed=1`.")
+        build = own_build(args.participant)
+        execute(args.stems[0], args.profile, dict(args.parameters), force=True, build=build)
+        print(f"results: {build / 'results' / (args.stems[0] + '.json')}")
+        return
+    if args.command == "execute" and len(args.stems) == 1:
+        execute(args.stems[0], args.profile, force=args.force, build=args.build)
+    else:
+        seconds = execute_all(args.stems or chapters(), args.profile, jobs=args.jobs, force=args.force,
+                              build=args.build)
+        print(f"executed in {seconds:.0f} s, {args.jobs} chapters at a time")
     if args.command == "book":
         print(f"book: {build_html()}/index.html")
+    if args.command == "pdf":  # the HTML book, then the same pages printed to one PDF
+        from . import pdf
+
+        print(f"pdf: {pdf.build()}")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ class Profile:
     rl: GrpoPlan  # full fine-tuning runs that compare engine precisions
     sampler: SamplerPlan
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
+    bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -155,17 +156,17 @@ GPU_PATHS_ON_CPU = "LAB_GPU_PATHS_ON_CPU"  # test mode, set by tests/test_gpu_pa
 
 
 def gpu_paths_on_cpu(gpu: Profile) -> Profile:
-    """The gpu profile's model sizes, group sizes and ranks on the CPU, every step and count at a minimum.
+    """The gpu profile's model sizes, group sizes and ranks on the CPU, every step, count and length at a minimum.
 
     It executes the gpu profile's code paths (shapes, configs, API calls) where CI runs; its numbers
     mean nothing: the models are barely warmed up.
     """
-    short = dict(steps=2, batch_size=2 * gpu.grpo.num_generations, prompts=64)
+    short = dict(steps=2, batch_size=2 * gpu.grpo.num_generations, prompts=64, min_walk=1, max_walk=3)
     return replace(
         gpu, device="cpu",
-        warmup=replace(gpu.warmup, steps=2, batch_size=4),
-        moe_warmup=replace(gpu.moe_warmup, steps=2, batch_size=4),
-        task=replace(gpu.task, eval_problems=8, length_problems=2),
+        warmup=replace(gpu.warmup, steps=2, batch_size=4, max_walk=4),
+        moe_warmup=replace(gpu.moe_warmup, steps=2, batch_size=4, max_walk=4),
+        task=replace(gpu.task, eval_problems=8, length_problems=2, max_walk=4),
         grpo=replace(gpu.grpo, **short),
         rl=replace(gpu.rl, **short),
         sampler_rl=replace(gpu.sampler_rl, **short),
@@ -175,29 +176,16 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
     )
 
 
-GPU_TRIMMED = "LAB_GPU_TRIMMED"  # set by `make gpu-check`: the gpu profile, trimmed to fit a short GPU lease
-
-
-def gpu_trimmed(gpu: Profile) -> Profile:
-    """The gpu profile's models, groups and lengths with fewer steps, seeds and sequences (`make gpu-check`)."""
-    return replace(
-        gpu,
-        warmup=replace(gpu.warmup, steps=300), moe_warmup=replace(gpu.moe_warmup, steps=300),
-        task=replace(gpu.task, eval_problems=256),
-        grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
-        mismatch=replace(gpu.mismatch, sequences=256),
-        sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
-    )
-
-
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 arithmetic, which the chapters compare
 
 
 def resolve(profile: str) -> Profile:
     """Turn a chapter's `profile` parameter into a Profile.
 
-    "auto" is "gpu" on a CUDA GPU with bf16 arithmetic (Ampere or newer: A100, L4, H100, RTX 30xx+),
-    else "cpu"; an older GPU (a T4, a V100) gets the cpu profile, with a line saying why.
+    "auto" is "gpu" on any CUDA GPU, else "cpu". A GPU below compute capability 8.0 (a T4, a V100)
+    has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
+    bf16 runs through CUDA's emulation (fp32 arithmetic on bf16 values), slower; chapters say which
+    of their parts that touches (`check_parameters(..., bf16_parts=...)`).
     """
     if profile not in VALID_PROFILES:
         raise ValueError(
@@ -213,27 +201,38 @@ def resolve(profile: str) -> Profile:
         raise ValueError("profile='gpu' needs a CUDA GPU and this machine has none; "
                          "use profile='cpu' (or 'auto', which picks it here).")
     if profile == "auto":
-        profile = "cpu"
-        if torch.cuda.is_available():
-            capability = torch.cuda.get_device_capability()
-            if capability >= BF16_MIN_CAPABILITY:
-                profile = "gpu"
-            else:
-                print(f"{torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
-                      "has no bf16 arithmetic, which the chapters compare: running the cpu profile. "
-                      "Pass profile='gpu' to run the fp16/fp32 parts on it.")
+        profile = "gpu" if torch.cuda.is_available() else "cpu"
+    chosen = PROFILES[profile]
     if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
-        return gpu_trimmed(PROFILES["gpu"])
-    return PROFILES[profile]
+        chosen = gpu_trimmed(chosen)
+    if profile == "gpu" and torch.cuda.get_device_capability() < BF16_MIN_CAPABILITY:
+        chosen = replace(chosen, bf16_native=False)
+    return chosen
+
+
+def bf16_note(profile: Profile, parts: str) -> str | None:
+    """One sentence on what a GPU without bf16 arithmetic does with a chapter's bf16 `parts` (None elsewhere)."""
+    if profile.bf16_native or profile.device != "cuda":
+        return None
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no bf16 arithmetic: "
+            f"{parts} run through CUDA's bf16 emulation here (fp32 arithmetic on values stored in bf16): their "
+            "results are bf16-rounded, their speed is not bf16 hardware's; fp16 and fp32 run natively.")
 
 
 def check_parameters(profile: str, seed: int, **optional) -> Profile:
     """Validate a chapter's parameters cell and resolve its profile; one clear sentence on a bad value.
 
-    `optional` may carry `model_id` (None, a local directory or a hub id) and `steps`
-    (None -> the profile's, else a positive int).
+    `optional` may carry `model_id` (None, a local directory or a hub id), `steps` (None -> the
+    profile's, else a positive int) and `bf16_parts` (what of the chapter runs in bf16, for the
+    sentence a GPU without bf16 arithmetic gets).
     """
     chosen = resolve(profile)
+    note = bf16_note(chosen, optional.get("bf16_parts") or "its bf16 parts")
+    if note:
+        print(note)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} is not a seed; pass a non-negative integer such as 0.")
     model_id = optional.get("model_id")

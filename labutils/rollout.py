@@ -28,9 +28,8 @@ def engine_dtype(name: str, device: str = "cpu") -> torch.dtype:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"device {device!r} was asked for but CUDA is not available; use device='cpu'.")
-        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=False):
-            name_ = torch.cuda.get_device_name(torch.device(device))
-            raise RuntimeError(f"{name_} has no native bf16 arithmetic (it needs compute capability 8.0+); "
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported(including_emulation=True):
+            raise RuntimeError(f"{torch.cuda.get_device_name(torch.device(device))} cannot hold bf16 tensors; "
                                "use fp16 or fp32 on this GPU.")
     try:  # the one operation every engine needs: a matmul in this dtype on this device
         probe = torch.ones(2, 2, dtype=dtype, device=device)

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from labutils import profiles
+from labutils import pipeline, profiles
 
 
 @pytest.fixture
@@ -24,3 +24,13 @@ def tiny_profile():
 def lab_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LAB_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def book_executed():
+    """Every chapter executed in the cpu profile (unless unchanged), two at a time; what failed, or ""."""
+    try:
+        pipeline.execute_all(pipeline.chapters(), "cpu", jobs=2)
+    except pipeline.ChapterError as err:
+        return str(err)
+    return ""

@@ -94,3 +94,35 @@ def test_an_untagged_error_fails_with_the_cell_named(tmp_path):
     root = _project(tmp_path, tags="hide-output", body="raise KeyError('unexpected')")
     with pytest.raises(pipeline.ChapterError, match="not tagged raises-exception failed with KeyError"):
         pipeline.execute("zz_tiny", "cpu", root=root)
+
+
+def test_a_participants_runs_leave_the_books_results_untouched(tmp_path, capsys):
+    import os
+
+    import jupytext
+    import papermill
+
+    root = _project(tmp_path, tags="hide-output", body="pass")
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    book = root / "_build" / "results" / "zz_tiny.json"
+    published = book.read_text()
+    own = pipeline.own_build("ana", root)  # `pipeline run zz_tiny -p value=5 --participant ana`
+    pipeline.execute("zz_tiny", "cpu", parameters={"value": 5}, force=True, root=root, build=own)
+    assert json.loads((own / "results" / "zz_tiny.json").read_text())["metrics"]["value"] == 5
+    os.environ.pop("LAB_RESULTS_DIR")  # by hand, from the project's root, as the README once showed
+    plain = tmp_path / "zz_tiny.ipynb"
+    jupytext.write(jupytext.read(root / "chapters" / "zz_tiny.md"), plain)
+    papermill.execute_notebook(str(plain), str(tmp_path / "out.ipynb"), parameters={"value": 9}, cwd=str(root),
+                               progress_bar=False)
+    assert json.loads((root / "_build" / "runs" / "mine" / "results" / "zz_tiny.json").read_text())["metrics"]["value"] == 9
+    assert book.read_text() == published
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    assert "unchanged, not executed again" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not a folder name"):
+        pipeline.own_build("../book", root)
+
+
+def test_participant_parameters_are_read_as_literals():
+    assert pipeline._parameter("seed=1") == ("seed", 1) and pipeline._parameter("model_id=/tmp/m") == ("model_id", "/tmp/m")
+    with pytest.raises(Exception, match="key=value"):
+        pipeline._parameter("seed")

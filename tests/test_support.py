@@ -19,17 +19,20 @@ def test_profiles_resolve_and_reject():
     assert profiles.resolve("cpu").device == "cpu" and profiles.PROFILES["gpu"].device == "cuda"
 
 
-@pytest.mark.parametrize("capability, name, picked", [
-    ((7, 5), "Tesla T4", "cpu"), ((7, 0), "Tesla V100", "cpu"), ((8, 9), "NVIDIA L4", "gpu"), ((9, 0), "NVIDIA H100", "gpu"),
+@pytest.mark.parametrize("capability, name, native", [
+    ((7, 5), "Tesla T4", False), ((7, 0), "Tesla V100", False), ((8, 9), "NVIDIA L4", True), ((9, 0), "NVIDIA H100", True),
 ])
-def test_auto_picks_gpu_only_where_bf16_runs(monkeypatch, capsys, capability, name, picked):
+def test_auto_picks_the_gpu_everywhere_and_says_where_bf16_is_emulated(monkeypatch, capsys, capability, name, native):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
-    assert profiles.resolve("auto").name == picked
-    assert ("no bf16 arithmetic" in capsys.readouterr().out) == (picked == "cpu")
+    chosen = profiles.check_parameters("auto", 0, bf16_parts="the bf16 engines")
+    assert (chosen.name, chosen.device, chosen.bf16_native) == ("gpu", "cuda", native)
+    said = capsys.readouterr().out
+    assert ("the bf16 engines run through CUDA's bf16 emulation" in said) == (not native)
+    assert (f"{name} (compute capability {capability[0]}.{capability[1]}) has no bf16 arithmetic" in said) == (not native)
 
 
 def test_gpu_profile_without_cuda_is_refused(monkeypatch):
@@ -120,11 +123,11 @@ def test_env_report_names_the_device():
     assert report["device"] in ("cpu", "cuda") and report["torch"][0].isdigit()
 
 
-def test_markdown_table():
-    table = results.markdown_table({"a": 0.5, "b": True}, notes={"b": "False (source)"})
-    assert table.splitlines() == ["| metric | this run | the sources say |", "|---|---|---|",
-                                  "| a | 0.5 |  |", "| b | True | False (source) |"]
-    assert results.markdown_table({"a": 1}).splitlines()[-1] == "| a | 1 |"
+def test_metrics_table():
+    table = results.metrics_table({"a": 0.5, "b": True, "c": 2}, keys=["b", "a"], notes={"b": "False (source)"})
+    assert list(table.data.columns) == ["metric", "this run", "the sources say"]
+    assert table.data.values.tolist() == [["b", True, "False (source)"], ["a", 0.5, ""]]
+    assert results.metrics_table({"a": 1}).data.values.tolist() == [["a", 1]]
 
 
 def test_half_ulp_and_lost_updates_follow_the_dtype_spacing():

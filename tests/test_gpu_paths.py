@@ -1,0 +1,71 @@
+"""The gpu profile's code, executed on the CPU: a shape, config or API error in it fails here, not on a reader's GPU.
+
+Every chapter runs through the pipeline in the gpu profile's model sizes, group sizes, LoRA ranks and
+plans, with steps, counts and lengths at a minimum (`profiles.gpu_paths_on_cpu`, switched on by
+LAB_GPU_PATHS_ON_CPU: a test mode, not a profile readers see). Its numbers mean nothing and stay in
+a temporary folder. What only a CUDA device runs is the list below, checked against the chapters.
+"""
+import json
+import re
+
+import pytest
+
+from labutils import pipeline, profiles
+
+# Lines that branch on CUDA: only a GPU executes their CUDA side (everything else runs here).
+CUDA_ONLY = {
+    ("02_qlora_crash", 'crash = grpo.qlora_trainer(P, OUT, torch.float16 if DEVICE == "cuda" else torch.float32, '
+                       'seed=seed, steps=STEPS,'),
+    ("02_qlora_crash", 'for device in ["cpu"] + (["cuda"] if DEVICE == "cuda" else []):'),
+    ("02_qlora_crash", '"fp16_fp32_trainables": dict(compute_dtype="float16" if DEVICE == "cuda" else "float32",'),
+    ("02_qlora_crash", 'if DEVICE == "cuda":  # what the caching allocator held, beside what tensors used'),
+    ("03_loss_scaling", 'STEPS = steps or (400 if P.device == "cuda" else 40)'),
+    ("09_fp8", 'capability = torch.cuda.get_device_capability() if DEVICE == "cuda" else None'),
+    ("09_fp8", 'if DEVICE == "cuda":'),
+    ("09_fp8", 'run.record(matmul={"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",'),
+    ("11_troubleshooting", 'old_gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 0)'),
+}
+BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
+
+
+def test_the_cuda_only_lines_are_the_listed_ones():
+    found = set()
+    for stem in pipeline.chapters():
+        for line in (pipeline.ROOT / "chapters" / f"{stem}.md").read_text().splitlines():
+            if BRANCH.search(line):
+                found.add((stem, line.strip()))
+    assert found == CUDA_ONLY, "a chapter branches on CUDA in a new place: list it in CUDA_ONLY, or run it here"
+
+
+def test_the_test_mode_keeps_the_gpu_sizes_on_the_cpu(monkeypatch):
+    monkeypatch.setenv(profiles.GPU_PATHS_ON_CPU, "1")
+    paths, gpu = profiles.resolve("gpu"), profiles.PROFILES["gpu"]
+    assert (paths.name, paths.device) == ("gpu", "cpu")
+    assert (paths.dense, paths.moe, paths.grpo.lora_rank, paths.grpo.num_generations) == \
+           (gpu.dense, gpu.moe, gpu.grpo.lora_rank, gpu.grpo.num_generations)
+    assert paths.warmup.steps < gpu.warmup.steps and paths.rl.steps < gpu.rl.steps
+    monkeypatch.delenv(profiles.GPU_PATHS_ON_CPU)
+    assert "paths" not in profiles.VALID_PROFILES  # not a profile a reader can pick
+
+
+@pytest.fixture(scope="module")
+def gpu_paths_build(tmp_path_factory):
+    build = tmp_path_factory.mktemp("gpu-paths")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(profiles.GPU_PATHS_ON_CPU, "1")
+        patch.setenv("LAB_CACHE", str(build / "cache"))
+        try:
+            pipeline.execute_all(pipeline.chapters(), "gpu", jobs=2, force=True, build=build)
+            failure = ""
+        except pipeline.ChapterError as err:
+            failure = str(err)
+    return build, failure
+
+
+@pytest.mark.chapter
+@pytest.mark.parametrize("stem", pipeline.chapters())
+def test_every_chapter_runs_its_gpu_profile_code(gpu_paths_build, stem):
+    build, failure = gpu_paths_build
+    assert stem not in failure, f"{stem} failed in the gpu profile's code paths: {failure}"
+    data = json.loads((build / "results" / f"{stem}.json").read_text())
+    assert data["profile"] == "gpu" and data["env"]["device"] == "cpu"
