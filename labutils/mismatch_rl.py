@@ -285,6 +285,8 @@ def paired_bias(rows: torch.Tensor, baseline: torch.Tensor) -> dict:
     count = d.shape[0]
     if count < 3:
         raise ValueError("a paired bias estimate needs at least 3 batches.")
+    if not bool(g.any()):  # every group's rewards were equal: no gradient, nothing to compare against
+        return {"relative_bias_sq": float("nan"), "relative_bias_sq_stderr": float("nan")}
     ratio = squared_mean(d) / squared_mean(g)
     keep = [torch.arange(count) != i for i in range(count)]
     leave_one_out = [squared_mean(d[k]) / squared_mean(g[k]) for k in keep]

@@ -170,9 +170,25 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         grpo=replace(gpu.grpo, **short),
         rl=replace(gpu.rl, **short),
         sampler_rl=replace(gpu.sampler_rl, **short),
-        mismatch=replace(gpu.mismatch, sequences=4, min_len=16, max_len=96),
-        sampler=replace(gpu.sampler, dial_sequences=2, dial_length=64, bias_prompts=2, bias_batches=1, seeds=2,
+        # long enough for the 12-step walks chapters 5b and 6 sample, enough sequences for chapter 4's length buckets
+        mismatch=replace(gpu.mismatch, sequences=16, min_len=32, max_len=300),
+        sampler=replace(gpu.sampler, dial_sequences=2, dial_length=128, bias_prompts=2, bias_batches=3, seeds=2,
                         eval_problems=8, eval_every=1),
+    )
+
+
+GPU_TRIMMED = "LAB_GPU_TRIMMED"  # set by `make gpu-check`: the gpu profile, trimmed to fit a short GPU lease
+
+
+def gpu_trimmed(gpu: Profile) -> Profile:
+    """The gpu profile's models, groups and lengths with fewer steps, seeds and sequences (`make gpu-check`)."""
+    return replace(
+        gpu,
+        warmup=replace(gpu.warmup, steps=300), moe_warmup=replace(gpu.moe_warmup, steps=300),
+        task=replace(gpu.task, eval_problems=256),
+        grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
+        mismatch=replace(gpu.mismatch, sequences=256),
+        sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
     )
 
 
