@@ -24,3 +24,10 @@ def env_report() -> dict:
     else:
         report.update(device="cpu", device_name=platform.processor() or platform.machine(), cuda=None)
     return report
+
+
+def env_table(report: dict | None = None):
+    """`env_report()` (or `report`) as a two-column table, for a chapter's setup cell."""
+    from .tables import show  # pandas only where a table is shown
+
+    return show(report or env_report(), columns=["component", "this run"])

@@ -134,8 +134,12 @@ def provenance(trimmed) -> dict:
                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         driver = "unknown"
-    commit = os.environ.get("BOOK_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                                                               capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("BOOK_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git on the GPU machine: BOOK_COMMIT names the commit
+            commit = ""
     versions = {}
     for name in NEEDED:
         try:

@@ -21,10 +21,15 @@ def project_root(start: Path | None = None) -> Path | None:
 
 
 def results_dir() -> Path:
-    """`LAB_RESULTS_DIR`, else `<project>/_build/results`, else `./_build/results`."""
+    """`LAB_RESULTS_DIR` (the pipeline sets it), else a participant's own `_build/runs/<name>/results`.
+
+    Only the pipeline writes the book's `_build/results`: a chapter run by hand (papermill, Jupyter)
+    with whatever parameters goes to `$LAB_PARTICIPANT`'s folder (`mine` by default).
+    """
     if "LAB_RESULTS_DIR" in os.environ:
         return Path(os.environ["LAB_RESULTS_DIR"])
-    return (project_root() or Path.cwd()) / "_build" / "results"
+    name = os.environ.get("LAB_PARTICIPANT") or "mine"
+    return (project_root() or Path.cwd()) / "_build" / "runs" / name / "results"
 
 
 def flatten(metrics: dict, prefix: str = "") -> dict:
@@ -63,19 +68,31 @@ class ChapterRun:
         self.metrics.update(flatten(metrics))
 
     def __getitem__(self, key: str):
-        return self.metrics[key]
+        value = self.metrics[key]
+        return float(value) if value in ("nan", "inf", "-inf") else value  # stored as text: JSON has none
+
+    def table(self, keys: list[str] | None = None, notes: dict | None = None):
+        """`metrics_table` of this run's metrics, with the chapter's GPU reference run beside them if committed."""
+        return metrics_table(self.metrics, keys, notes, chapter=self.chapter)
 
     def save(self) -> Path:
+        """Write the results; in a notebook, also glue `chapter_seconds` for the page's time-to-run line."""
+        seconds = time.perf_counter() - self.started
         folder = results_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        payload = {"chapter": self.chapter, "profile": self.profile,
-                   "seconds": round(time.perf_counter() - self.started, 3),
+        payload = {"chapter": self.chapter, "profile": self.profile, "seconds": round(seconds, 3),
                    "env": self.env, "metrics": self.metrics}
         target = folder / f"{self.chapter}.json"
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{self.chapter}-", suffix=".json")
         with os.fdopen(fd, "w") as fh:
             json.dump(payload, fh, indent=1, sort_keys=True)
         os.replace(tmp, target)
+        try:
+            from myst_nb import glue
+        except ImportError:  # outside the book's environment there is no page to glue into
+            pass
+        else:
+            glue("chapter_seconds", round(seconds), display=False)
         return target
 
 
@@ -100,21 +117,34 @@ def gpu_reference(chapter: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def markdown_table(metrics: dict, keys: list[str] | None = None, notes: dict | None = None) -> str:
-    """A markdown table of metrics (all, or `keys` in order), with an optional column of notes."""
-    def cell(value):
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
+def metrics_table(metrics: dict, keys: list[str] | None = None, notes: dict | None = None,
+                  chapter: str | None = None):
+    """A table of metrics (all, or `keys` in order): this run, what the sources say where `notes` is given,
+    and the committed GPU reference run of `chapter` beside them where `results/gpu/` has one."""
+    from .tables import show  # pandas only where a table is shown
 
     keys = list(metrics) if keys is None else keys
-    if notes is None:
-        rows = [f"| {k} | {cell(metrics[k])} |" for k in keys]
-        return "| metric | this run |\n|---|---|\n" + "\n".join(rows)
-    rows = [f"| {k} | {cell(metrics[k])} | {notes.get(k, '')} |" for k in keys]
-    return "| metric | this run | the sources say |\n|---|---|---|\n" + "\n".join(rows)
+    columns, rows = ["metric", "this run"], [[k, metrics[k]] for k in keys]
+    if notes is not None:
+        columns.append("the sources say")
+        for row in rows:
+            row.append(notes.get(row[0], ""))
+    gpu = gpu_reference(chapter) if chapter else None
+    caption = None
+    if gpu:
+        run = gpu.get("provenance", {})
+        columns.append(f"GPU: {run.get('gpu', gpu['env'].get('device_name'))}")
+        for row in rows:
+            row.append(gpu["metrics"].get(row[0]))
+        caption = (f"GPU column: results/gpu/{chapter}.json, the gpu profile"
+                   f"{' trimmed (fewer steps, seeds and sequences)' if run.get('trimmed') else ''} on "
+                   f"{run.get('gpu', '?')}, CUDA {run.get('cuda', '?')}, {run.get('date', '?')[:10]}.")
+    return show(rows, columns=columns, caption=caption)
 
 
 def provenance(chapter: str, folder: Path | None = None):
-    """A one-paragraph Markdown record of how the saved results of `chapter` were produced."""
+    """A one-paragraph Markdown record of how the saved results of `chapter` were produced; where a GPU
+    reference run is committed, also a table of every metric both runs recorded, side by side."""
     from IPython.display import Markdown
 
     data = load(chapter, folder)
@@ -122,6 +152,24 @@ def provenance(chapter: str, folder: Path | None = None):
     device = env["device_name"] if env["device"] == "cpu" else f"{env['device_name']} (CUDA {env['cuda']})"
     libraries = ", ".join(f"{lib} {env[lib]}" for lib in ("torch", "transformers", "trl", "peft", "accelerate",
                                                           "bitsandbytes") if lib in env)
-    return Markdown(f"*Provenance:* `{data['profile']}` profile on {env['device']} ({device}), "
-                    f"Python {env['python']}, {libraries}; executed in {data['seconds']:.1f} s. "
-                    f"Every number on this page comes from this run (`_build/results/{chapter}.json`).")
+    record = Markdown(f"*Provenance:* `{data['profile']}` profile on {env['device']} ({device}), "
+                      f"Python {env['python']}, {libraries}; executed in {data['seconds']:.1f} s. "
+                      f"Every number on this page comes from this run "
+                      f"(`{_relative(folder or results_dir())}/{chapter}.json`).")
+    gpu = gpu_reference(chapter)
+    if not gpu:
+        return record
+    from IPython.display import display
+
+    display(record)
+    shared = [k for k, v in data["metrics"].items() if k in gpu["metrics"] and not isinstance(v, list)]
+    return metrics_table(data["metrics"], shared, chapter=chapter)  # this run beside the committed GPU run
+
+
+def _relative(folder: Path) -> str:
+    """A results folder as a reader should see it: inside the project, not the build machine's path."""
+    root = project_root()
+    try:
+        return str(Path(folder).resolve().relative_to(root)) if root else str(folder)
+    except ValueError:
+        return str(folder)

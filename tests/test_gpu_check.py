@@ -57,3 +57,13 @@ def test_the_trimmed_profile_keeps_the_gpu_sizes_and_does_less():
     assert gpu_check._scale("05_grpo_precision", gpu, trimmed) == gpu.rl.steps / trimmed.rl.steps
     shrunk = dataclasses.replace(trimmed, rl=dataclasses.replace(trimmed.rl, steps=gpu.rl.steps))
     assert gpu_check._scale("05_grpo_precision", gpu, shrunk) == 1.0
+
+
+def test_a_chapter_executes_the_way_gpu_check_runs_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(profiles.GPU_PATHS_ON_CPU, "1")  # the gpu profile, on this CPU
+    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "results"))
+    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, timeout=300)
+    assert problem == "" and seconds > 0
+    assert (tmp_path / "results" / "01_number_formats.json").is_file()
+    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, timeout=1)
+    assert problem == "stopped after 1 s"

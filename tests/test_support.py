@@ -189,3 +189,19 @@ def test_launch_refuses_a_batch_that_does_not_split(monkeypatch, tmp_path):
         launch.main(["--profile", "cpu", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="not a profile"):
         launch.main(["--profile", "tpu", "--out", str(tmp_path)])
+
+
+def test_a_committed_gpu_run_shows_beside_this_run(tmp_path, monkeypatch):
+    import json
+
+    from labutils import results
+
+    (tmp_path / "_toc.yml").write_text("root: intro\n")
+    monkeypatch.chdir(tmp_path)
+    assert "GPU" not in results.metrics_table({"a": 1.0}, chapter="zz").to_html()  # nothing committed: no column
+    (tmp_path / "results" / "gpu").mkdir(parents=True)
+    (tmp_path / "results" / "gpu" / "zz.json").write_text(json.dumps(
+        {"chapter": "zz", "env": {"device_name": "NVIDIA H200"}, "metrics": {"a": 2.5},
+         "provenance": {"gpu": "NVIDIA H200", "cuda": "13.0", "date": "2026-12-01T00:00:00", "trimmed": True}}))
+    shown = results.metrics_table({"a": 1.0, "b": 2}, chapter="zz").to_html()
+    assert "GPU: NVIDIA H200" in shown and "2.5" in shown and "trimmed" in shown
