@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -74,11 +75,12 @@ def cache_root() -> Path:
 
 
 def build_key(kind: str, size: ModelSize, plan: WarmupPlan, seed: int) -> str:
-    """Hash of everything that determines a build, this module's code included."""
+    """Hash of everything that determines a build, the code that builds it included."""
     recipe = json.dumps(
         {"kind": kind, "size": dataclasses.asdict(size), "warmup": dataclasses.asdict(plan),
          "seed": seed, "chars": CHARACTERS, "specials": SPECIAL_TOKENS,
-         "code": Path(__file__).read_text() + Path(task.__file__).read_text()},
+         "code": "".join(inspect.getsource(f) for f in (build_tokenizer, build_config, _encode_batch, warm_up, _build,
+                                                        task.sample_problems, task.Problem))},
         sort_keys=True,
     )
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
