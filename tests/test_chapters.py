@@ -1,5 +1,6 @@
 """Every chapter executed by papermill in the cpu profile, and its results file checked."""
 import json
+import re
 
 import pytest
 
@@ -327,3 +328,18 @@ def test_claims_ledger_judges_every_claim_from_this_builds_results():
     assert "not measured in this build" not in text
     toc = set(pipeline.chapters())
     assert all(claim.chapter in toc for claim in ledger.CLAIMS)
+
+
+TIMING = re.compile(r"seconds|per_s|_ms$|mem|rss|time", re.I)
+
+
+@pytest.mark.chapter
+def test_a_second_run_records_the_same_metrics_apart_from_timings(book_executed, tmp_path):
+    stems = ["03_loss_scaling", "09_fp8"]  # training with a loss scaler, and FP8 casts: short, and not trivial
+    pipeline.execute_all(stems, "cpu", jobs=2, force=True, build=tmp_path)
+    for stem in stems:
+        first = metrics_of(stem)
+        second = json.loads((tmp_path / "results" / f"{stem}.json").read_text())["metrics"]
+        kept = {k for k in first if not TIMING.search(k)}
+        assert len(kept) > 10 and set(first) == set(second)
+        assert {k: second[k] for k in kept} == {k: first[k] for k in kept}, stem
