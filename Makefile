@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
 
-.PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check
+.PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -42,7 +42,7 @@ browser:
 	@if [ -x "$(CHROMIUM)" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get install -y -q chromium >/dev/null || { apt-get update -q && apt-get install -y -q chromium >/dev/null; }; \
-	else echo "no chromium at $(CHROMIUM) and no root apt-get: the browser test will be skipped"; fi
+	else echo "no chromium at $(CHROMIUM) and no root apt-get: the browser tests will be skipped and make pdf cannot print"; fi
 
 # The book as one PDF, printed from its HTML by headless Chromium (no LaTeX): _build/book.pdf, and a
 # copy in _build/html that the landing page links to.
@@ -58,6 +58,12 @@ bench:
 # results/long/05b_sampler_precision.json, which the chapter shows when present; commit it.
 long: $(STAMP)
 	$(PY) -m labutils.mismatch_rl long
+
+# Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
+# each participant also runs on their own machine (python -m labutils.workshop_check check).
+workshop-prep: $(STAMP)
+	$(PY) -m labutils.workshop_check prepare --profile $(PROFILE)
+	$(PY) -m labutils.workshop_check check
 
 # Wheels for a CUDA machine without network (a lent GPU box, an air-gapped server): what the book needs
 # beyond that machine's own torch, CUDA, scientific and Hugging Face stacks, for its Python, under 60 MB.

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import platform
 from importlib import metadata
+from pathlib import Path
 
 LIBRARIES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate")
 
@@ -31,3 +32,14 @@ def env_table(report: dict | None = None):
     from .tables import show  # pandas only where a table is shown
 
     return show(report or env_report(), columns=["component", "this run"])
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"

@@ -6,11 +6,13 @@ is computed from it, never typed.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .results import load_all
+from .status import table
 
 CONFIRMED, CONTRADICTED = "confirmed", "contradicted"
 NOT_SUPPORTED, NOT_AT_SCALE = "not supported", "not reproducible at this scale"
@@ -230,33 +232,61 @@ def _evaluate(claim: Claim, runs: dict) -> tuple[str, str]:
     return claim.judge(*(data["metrics"][k] for k in claim.keys))
 
 
-def page(root: Path) -> str:
-    """The ledger as a MyST Markdown page."""
+def entries(root: Path) -> list[dict]:
+    """Each claim with this build's measurement and verdict, and the GPU reference's measurement."""
     cpu, gpu = load_all(root / "_build" / "results"), load_all(root / "results" / "gpu")
-    rows = []
+    found = []
     for i, claim in enumerate(CLAIMS, 1):
         measured, verdict = _evaluate(claim, cpu)
-        on_gpu = _evaluate(claim, gpu)[0] if claim.chapter in gpu else "–"
+        on_gpu = None
         if claim.chapter in gpu:
             env = gpu[claim.chapter]["env"]
-            on_gpu += f" ({env.get('device_name')}, torch {env.get('torch')})"
+            on_gpu = f"{_evaluate(claim, gpu)[0]} ({env.get('device_name')}, torch {env.get('torch')})"
         if claim.device == "gpu":
             verdict = (_evaluate(claim, gpu)[1] if claim.chapter in gpu
                        else NOT_MEASURED + " (a claim about GPUs; no GPU reference run is committed)")
-        rows.append(f"| {i} | **{verdict}** | {claim.says} | {measured} | {on_gpu} | {SOURCES[claim.source]} | "
-                    f"{claim.paper or '–'} | [{claim.chapter}](../chapters/{claim.chapter}.ipynb) |")
+        found.append({"number": i, "claim": claim, "measured": measured, "on_gpu": on_gpu, "verdict": verdict})
+    return found
+
+
+# sphinx-design badge colours: the verdict is the first thing a reader looks for
+BADGES = {CONFIRMED: "success", CONTRADICTED: "danger", NOT_SUPPORTED: "warning", NOT_AT_SCALE: "info",
+          NOT_MEASURED: "secondary"}
+
+
+def verdict_markup(verdict: str) -> str:
+    """The verdict as a coloured badge, with its qualifier (the part in brackets) after it."""
+    head, bracket, rest = verdict.partition(" (")
+    if head not in BADGES:
+        return verdict
+    return f"{{bdg-{BADGES[head]}}}`{head}`" + (f" ({rest}" if bracket else "")
+
+
+def page(root: Path) -> str:
+    """The ledger as a MyST Markdown page: one row per claim, the verdict right after its number."""
+    found, rows = entries(root), []
+    for entry in found:
+        claim = entry["claim"]
+        said = f"{claim.says} *({SOURCES[claim.source]}{'; the paper: ' + claim.paper if claim.paper else ''})*"
+        measured = entry["measured"] + (f"; **on a GPU:** {entry['on_gpu']}" if entry["on_gpu"] else "")
+        link = f"[{claim.chapter.split('_')[0]}](../chapters/{claim.chapter}.ipynb)"
+        rows.append([entry["number"], verdict_markup(entry["verdict"]), said, measured, link])
+    counts = Counter(entry["verdict"].split(" (")[0].replace("–", "without results in this build")
+                     for entry in found)
+    cpu = load_all(root / "_build" / "results")
     versions = next(iter(cpu.values()))["env"] if cpu else {}
     return "\n".join([
         "# Claims ledger", "",
         "Every quantitative or technical claim of the two source articles, and of the papers behind them, "
         "that this book checks. The *measured* column is read from this build's results files (`cpu` profile, "
         f"{versions.get('device_name', 'unknown device')}, torch {versions.get('torch', '?')}, trl "
-        f"{versions.get('trl', '?')}); the GPU column from committed reference runs in `results/gpu/`. "
+        f"{versions.get('trl', '?')}); GPU measurements, where shown, from committed reference runs in `results/gpu/`. "
         "Each verdict is computed from the measurement: *confirmed*, *contradicted*, *not supported* "
         "(the measurement does not back it), *not reproducible at this scale*, or *not measured here* "
         "(nothing this book runs can decide it; the measured column says why).", "",
         "Claims about GPUs (speed on an A100 or H100) are judged only on committed GPU reference results, "
         "and read *not measured here* until one exists. Every other verdict is judged on this build's "
         "results; a GPU result, where one exists, is shown beside it and does not change it.", "",
-        "| # | verdict | the claim | measured (cpu) | measured (gpu) | source | the paper says | chapter |",
-        "|---|---|---|---|---|---|---|---|", *rows, ""])
+        "In this build: " + ", ".join(f"{n} {verdict}" for verdict, n in counts.most_common()) + ".", "",
+        "```{table}", ":class: claims-ledger", "",  # book.css lays it out for the screen, a phone and print
+        table(["#", "verdict", "the claim (source)", "measured", "chapter"], rows), "```", ""])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import grpo, models, rollout, sampler_precision, task
+from . import env, grpo, models, rollout, sampler_precision, task
 from .profiles import GrpoPlan, Profile
 
 CHAPTER = "05b_sampler_precision"
@@ -441,7 +441,7 @@ def long_run(steps: int, seeds: int, bits: int, eval_count: int, eval_every: int
     payload = {"chapter": CHAPTER, "kind": "long run", "profile": profile.name,
                "seconds": round(time.perf_counter() - start, 1), "env": env.env_report(),
                "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "cpu": _cpu_model(), "torch_threads": torch.get_num_threads(),
+               "cpu": env.cpu_model(), "torch_threads": torch.get_num_threads(),
                "parameters": {"plan": dataclasses.asdict(plan), "seeds": seeds, "roles": by_role, "bits": bits,
                               "eval_problems": eval_count, "eval_every": eval_every, "collapse_margin": margin,
                               "workers": workers},
@@ -449,18 +449,6 @@ def long_run(steps: int, seeds: int, bits: int, eval_count: int, eval_every: int
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(payload, indent=1, sort_keys=True))
     return target
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> None:

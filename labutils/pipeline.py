@@ -38,11 +38,17 @@ def resolve_profile(profile: str) -> str:
     return profiles.resolve(profile).name if profile == "auto" else profile
 
 
+# the build's own machinery: no chapter imports it, so editing it re-executes nothing
+NOT_CHAPTER_CODE = {"pipeline.py", "ledger.py", "workshop.py", "status.py", "pdf.py", "gpu_check.py", "wheels.py",
+                    "workshop_check.py", "colab.py"}
+
+
 def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
-    """Hash of a chapter's source, all of labutils, and its parameters."""
+    """Hash of a chapter's source, the labutils code chapters run, and its parameters."""
     digest = hashlib.sha256((root / "chapters" / f"{stem}.md").read_bytes())
     for module in sorted((root / "labutils").rglob("*.py")):
-        digest.update(module.name.encode() + module.read_bytes())
+        if module.name not in NOT_CHAPTER_CODE:
+            digest.update(module.name.encode() + module.read_bytes())
     digest.update(json.dumps(parameters, sort_keys=True).encode())
     return digest.hexdigest()
 
@@ -256,8 +262,10 @@ def stage(root: Path = ROOT) -> None:
     from . import status
 
     _write_if_changed(status.page(root), SITE / "appendix" / "build_status.md")
-    for css in (root / "_static").glob("*.css"):  # the book's own styles: print, dark mode, the ledger
-        _copy_if_changed(css, SITE / "_static" / css.name)
+    # the book's own styles (print, dark mode, the ledger), listed in _config.yml's html_css_files; into
+    # _vendor, as a _static folder makes jupyter-book add every .js of the static paths (MathJax's) to each page
+    for css in (root / "_static").glob("*.css"):
+        _copy_if_changed(css, SITE / "_vendor" / css.name)
 
 
 def _stage_mathjax() -> None:

@@ -1,62 +1,127 @@
 """The workshop page: a half-day plan whose run times are read from this build's results."""
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
+from . import status
 from .results import load_all
 
-# (block, minutes of teaching and discussion, chapters run in it, what the room does)
+@dataclass(frozen=True)
+class Block:
+    name: str
+    minutes: int  # teaching and discussion
+    chapters: tuple[str, ...] = ()
+    objectives: str = ""
+    prerequisites: str = ""
+    exercises: tuple[tuple[str, int], ...] = ()  # (chapter, exercise number) the room does
+
+
 PLAN = [
-    ("Formats and the lab", 30, ["00_lab", "01_number_formats"],
-     "read bf16/fp16/fp8 layouts off real casts; meet the task and the tiny models"),
-    ("The crash", 30, ["02_qlora_crash", "03_loss_scaling", "11_troubleshooting"],
-     "reproduce the QLoRA GRPO error, trace it into the libraries, predict it with preflight"),
-    ("Break", 15, [], ""),
-    ("The mismatch", 60, ["04_mismatch", "05_grpo_precision", "05b_sampler_precision"],
-     "measure μ against π at 1,000+ tokens; run GRPO under precision pairs; turn the sampler's "
-     "precision dial until RL on its samples degrades, and compare the fixes"),
-    ("MoE and LoRA", 40, ["06_moe", "07_lora"],
-     "count routing flips and lost LoRA updates"),
-    ("Toolkit", 30, ["08_sensitive_ops", "09_fp8", "10_scaling_out"],
-     "which operations need fp32, FP8 roles, multi-process launch and configs"),
-    ("Wrap-up", 10, [], "each group reports one claim from the ledger it would now dispute"),
+    Block("Formats and the lab", 30, ("00_lab", "01_number_formats"),
+          "read bf16, fp16 and FP8 layouts off real casts; say what eps, the largest and the smallest normal "
+          "number of each format are; meet the task and the tiny models",
+          "binary floating point (sign, exponent, mantissa)", (("01_number_formats", 1), ("00_lab", 2))),
+    Block("The crash", 30, ("02_qlora_crash", "03_loss_scaling", "11_troubleshooting"),
+          "reproduce the QLoRA GRPO error, trace it into trl, accelerate and torch, predict it with preflight, "
+          "and choose a fix by memory, speed and reward",
+          "autocast (what it casts, where), a GradScaler's scale, unscale and skip", (("02_qlora_crash", 1),
+                                                                                       ("03_loss_scaling", 2))),
+    Block("Break", 15),
+    Block("The mismatch", 60, ("04_mismatch", "05_grpo_precision", "05b_sampler_precision"),
+          "measure KL(μ‖π) between an inference and a training engine, see the sequence log-ratio drift with "
+          "length, run GRPO under precision pairs, and turn the sampler's precision dial until RL degrades",
+          "importance ratios π/μ and why off-policy samples need them; KL divergence and its k1/k3 estimators",
+          (("04_mismatch", 2), ("05b_sampler_precision", 1))),
+    Block("MoE and LoRA", 40, ("06_moe", "07_lora"),
+          "count routing flips and the KL they cause; count LoRA updates lost to bf16's spacing",
+          "top-k routing; Adam's update size; LoRA's A and B", (("06_moe", 1), ("07_lora", 2))),
+    Block("Toolkit", 30, ("08_sensitive_ops", "09_fp8", "10_scaling_out"),
+          "say which operations need fp32, what FP8's scales do, and which loss scaler runs over sharded gradients",
+          "softmax and normalisation in floating point", (("08_sensitive_ops", 2), ("09_fp8", 2))),
+    Block("Wrap-up", 10, objectives="each group reports one claim from the ledger it would now dispute, and why"),
 ]
 
 
+def _exercise_title(root: Path, stem: str, number: int) -> str:
+    """The bold title of exercise `number` in a chapter's Exercises section."""
+    text = (root / "chapters" / f"{stem}.md").read_text()
+    section = text.split("## Exercises", 1)[-1]
+    found = re.search(rf"^{number}\. \*\*(.+?)\*\*", section, re.M)
+    return found.group(1) if found else f"exercise {number}"
+
+
+def _crash_on_gpu(root: Path) -> list[str]:
+    """Chapter 2's real CUDA error, from its committed GPU reference run, where there is one."""
+    gpu = load_all(root / "results" / "gpu").get("02_qlora_crash")
+    if not gpu:
+        return ["No GPU reference run of chapter 2 is committed yet: on a CPU the crash cell shows that "
+                "nothing crashes there, and why (`make gpu-check` on a GPU records the real error).", ""]
+    where = gpu.get("provenance", {}).get("gpu") or gpu["env"].get("device_name")
+    return [f"Chapter 2 on {where} (committed reference run):", "", "```text",
+            str(gpu["metrics"].get("crash.error", "?")), "```", ""]
+
+
 def page(root: Path) -> str:
-    cpu, gpu = ({stem: data.get("seconds") for stem, data in load_all(root / folder).items()}
-                for folder in ("_build/results", "results/gpu"))
+    times = status.timings(root)
+    measured_on_gpu = any(t["gpu"] is not None for t in times.values())
 
-    def fmt(table, stem):
-        return f"{table[stem]:.0f} s" if table.get(stem) is not None else "not yet measured"
+    def run_time(stem):
+        here, gpu = times[stem]["build"], times[stem]["gpu"]
+        shown = status.seconds(here) if here is not None else "not yet run"
+        return f"{stem} ({shown}{f'; gpu {status.seconds(gpu)}' if gpu is not None else ''})"
 
-    rows = []
-    for block, minutes, stems, activity in PLAN:
-        run = "; ".join(f"{s} (cpu {fmt(cpu, s)}, gpu {fmt(gpu, s)})" for s in stems) or "–"
-        rows.append(f"| {block} | {minutes} min | {run} | {activity or '–'} |")
-    total_cpu = sum(v for v in cpu.values() if v)
-    slowest = max(cpu, key=lambda stem: cpu[stem] or 0, default=None)
-    return "\n".join([
+    rows = [[b.name, f"{b.minutes} min", "; ".join(run_time(s) for s in b.chapters) or "–"] for b in PLAN]
+    ran = {stem: t["build"] for stem, t in times.items() if t["build"] is not None}
+    total = sum(ran.values())
+    slowest = max(ran, key=ran.get, default=None)
+    lines = [
         "# Workshop kit", "",
-        f"A half-day plan ({sum(block[1] for block in PLAN)} minutes). Minutes are for teaching and discussion; the run times "
-        "beside each chapter are this build's own measurements (`_build/results`), and GPU times "
-        "come from committed reference runs (`results/gpu/`) when there are any.", "",
-        "| block | minutes | chapters (run time) | what the room does |", "|---|---|---|---|", *rows, "",
+        f"A half-day plan ({sum(b.minutes for b in PLAN)} minutes). Minutes are for teaching and discussion; the run "
+        "time beside each chapter is this build's own"
+        + ("; GPU times come from committed reference runs (`results/gpu/`)." if measured_on_gpu else
+           ". No GPU reference run is committed yet, so there are no GPU times.")
+        + " The {doc}`build_status` page has each chapter's device and library versions.", "",
+        status.table(["block", "minutes", "chapters (run time)"], rows), "",
+        "## Before the day", "",
+        "`make workshop-prep` builds the lab's models for every seed the chosen exercises use and runs the "
+        "participants' check (`python -m labutils.workshop_check check`, under two minutes): library versions, "
+        "bitsandbytes' 4-bit layer, one GRPO step of trl, and a chapter executed by papermill into the "
+        "participant's own folder. Ask every participant to run the check on the machine they will bring.", "",
+        "## The blocks", ""]
+    for block in PLAN:
+        if not block.objectives:
+            continue
+        lines += [f"### {block.name} ({block.minutes} min)", "", f"- *Objectives:* {block.objectives}."]
+        if block.prerequisites:
+            lines.append(f"- *Prerequisites:* {block.prerequisites}.")
+        for stem, number in block.exercises:
+            here = times.get(stem, {}).get("build")
+            took = f"the chapter ran in {status.seconds(here)} in this build" if here is not None else "not yet run"
+            lines.append(f"- *Exercise:* {{doc}}`../chapters/{stem}`, exercise {number}, "
+                         f"\"{_exercise_title(root, stem, number).rstrip('.')}\" ({took}).")
+        lines.append("")
+        if "02_qlora_crash" in block.chapters:
+            lines += _crash_on_gpu(root)
+    lines += [
         "## A room without GPUs", "",
-        f"Every chapter runs in the `cpu` profile; the whole book took {total_cpu / 60:.0f} minutes in this "
-        f"build (the slowest chapter, {slowest}, {fmt(cpu, slowest)}), with the lab's models built by "
-        "chapter 0 and cached. Run `make book` once before the session, then let participants re-run single "
-        "chapters with other parameters (README). Cells that need CUDA say so and run their CPU "
-        "counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9. The built book "
-        "needs no network: serve `_build/html` (`python -m http.server -d _build/html`) on the room's machines.", "",
+        f"Every chapter runs in the `cpu` profile; the whole book took {total / 60:.0f} minutes of chapter time in "
+        f"this build (the slowest chapter, {slowest}, {status.seconds(ran.get(slowest))}), with the lab's models built "
+        "by chapter 0 and cached. Run `make book` once before the session; participants re-run single chapters "
+        "with other parameters into their own folders (`python -m labutils.pipeline run STEM -p seed=1 "
+        "--participant NAME`), which never change the book's results. Cells that need CUDA say so and run "
+        "their CPU counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9. The built "
+        "book needs no network: serve `_build/html` (`python -m http.server -d _build/html`).", "",
         "## On Colab", "",
         "Where the book is published from its GitHub repository, every chapter page has a launch button "
         "(the rocket at the top) that opens the chapter in Colab. Its first cell installs the book at the "
         "commit the page was built from, with the library versions it was measured with, and does nothing "
-        "where the package is already installed. Choose a GPU runtime: on an L4 or A100 (bf16 arithmetic) "
-        "`profile=\"auto\"` picks the `gpu` profile; on a T4 it picks the `cpu` profile and says why: "
-        "a T4 has no bf16 arithmetic, so the bf16 side of every comparison would be emulated, not measured.", "",
+        "where the package is already installed. Choose a GPU runtime: `profile=\"auto\"` picks the `gpu` "
+        "profile on any of them. On the free T4, which has no bf16 arithmetic, the fp16 and fp32 parts run "
+        "natively, chapter 2 raises the real CUDA error, and each chapter says in one sentence which of its "
+        "bf16 parts run through CUDA's bf16 emulation (right rounding, not bf16 speed).", "",
         "## Exercises", "",
-        "Every chapter ends with exercises; the solutions are folded under *Solutions* so a teacher "
-        "can reveal them after the room has tried.", ""])
-
+        "Every chapter ends with exercises run as predict, run, explain; the solutions are folded so a teacher "
+        "can reveal them after the room has tried, and each quotes what this build measured.", ""]
+    return "\n".join(lines)

@@ -66,6 +66,23 @@ def test_a_gpu_claim_is_judged_only_on_a_gpu_reference(tmp_path):
     write(tmp_path / "_build" / "results", 900.0, 1000.0)  # the CPU says fp16 is slower: it must not decide
     assert ledger.NOT_MEASURED in row()
     write(tmp_path / "results" / "gpu", 1500.0, 1000.0)
-    assert f"**{ledger.CONFIRMED}**" in row()
+    assert row().split(" | ")[1] == "{bdg-success}`confirmed`"
     write(tmp_path / "results" / "gpu", 800.0, 1000.0)
-    assert f"**{ledger.CONTRADICTED}**" in row()
+    assert row().split(" | ")[1] == "{bdg-danger}`contradicted`"
+
+
+def test_the_verdict_comes_right_after_the_claims_number_as_a_badge():
+    """The page puts each verdict where the eye lands first; its qualifier follows the badge."""
+    assert ledger.verdict_markup(ledger.CONTRADICTED) == "{bdg-danger}`contradicted`"
+    qualified = ledger.verdict_markup(ledger.NOT_AT_SCALE + " (no scaler on this device)")
+    assert qualified == "{bdg-info}`not reproducible at this scale` (no scaler on this device)"
+    assert ledger.verdict_markup("–") == "–"
+    assert set(ledger.BADGES) == {ledger.CONFIRMED, ledger.CONTRADICTED, ledger.NOT_SUPPORTED,
+                                  ledger.NOT_AT_SCALE, ledger.NOT_MEASURED}
+
+
+def test_a_cell_with_a_pipe_does_not_split_the_row():
+    from labutils.status import table
+
+    text = table(["a", "b"], [["x | y", "z"]])
+    assert text.splitlines()[2] == "| x \\| y | z |"

@@ -9,25 +9,19 @@ unless LAB_REQUIRE_BROWSER=1 (CI), where a missing browser is a failure.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import http.server
 import os
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
-from labutils import colab, pipeline
+from labutils import colab, ledger, pipeline
+from labutils.pdf import CHROMIUM, CHROMIUM_ARGS, served
 
-CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
-# Offline machine: without these Chromium keeps trying to reach Google's services.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 REDIRECT = re.compile(r'<meta http-equiv="Refresh" content="0; url=([^"]+)"', re.I)
 LANDING = "intro.html"  # index.html only redirects here
 SCREENSHOT_CHAPTER = "chapters/04_mismatch.html"
@@ -55,6 +49,58 @@ INSPECT_IMAGES = """() => {
 }"""
 
 
+# Runs in the claims ledger: where the first claim's cells sit against what can be seen without
+# scrolling sideways: the window, and the table's own scrolling box (the theme wraps wide tables in one).
+LEDGER_FIRST_ROW = """() => {
+  const table = document.querySelector('table.claims-ledger');
+  const cells = [...table.querySelector('tbody tr').children];
+  const verdict = cells[1].querySelector('.sd-badge') || cells[1];
+  const box = (e) => { const r = e.getBoundingClientRect(); return [Math.round(r.left), Math.round(r.right)]; };
+  const scroller = table.closest('.pst-scrollable-table-container') || table;
+  return {visible: Math.min(window.innerWidth, box(scroller)[1]), pageWidth: document.documentElement.scrollWidth,
+          verdict: verdict.textContent.trim(), verdictBox: box(verdict), cellBoxes: cells.map(box)};
+}"""
+
+# Runs in a page in dark mode: text whose colour does not stand out from the background behind it
+# (WCAG contrast under 4.5), and figures not shown as intended: matplotlib plots are drawn on white,
+# so each sits on a white card (white background, padding) that matches the plot's own white corner.
+INSPECT_DARK_MODE = """() => {
+  const rgba = (s) => { const m = s.match(/[\\d.]+/g).map(Number); return m.length === 3 ? [...m, 1] : m; };
+  const lum = (c) => { const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+                       return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]); };
+  const contrast = (a, b) => { const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p); return (x + 0.05) / (y + 0.05); };
+  const behind = (el) => {
+    for (let e = el; e; e = e.parentElement) { const c = rgba(getComputedStyle(e).backgroundColor); if (c[3] > 0.5) return c; }
+    return [255, 255, 255, 1];
+  };
+  const problems = [];
+  if (document.documentElement.dataset.theme !== 'dark') problems.push('the page is not in dark mode');
+  let texts = 0;
+  for (const el of document.querySelectorAll('article *')) {
+    const own = [...el.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim());
+    if (!own || el.getBoundingClientRect().width === 0 || getComputedStyle(el).visibility === 'hidden') continue;
+    texts += 1;
+    const [fg, bg] = [rgba(getComputedStyle(el).color), behind(el)];
+    const ratio = contrast(fg, bg);
+    if (ratio < 4.5 && problems.length < 20)
+      problems.push(`text at contrast ${ratio.toFixed(1)} (rgb ${fg.slice(0, 3)} on ${bg.slice(0, 3)}): ` +
+                    `${el.tagName.toLowerCase()} "${el.textContent.trim().slice(0, 40)}"`);
+  }
+  const figures = [...document.querySelectorAll('article .cell_output img, article figure img')];
+  for (const img of figures) {
+    const style = getComputedStyle(img), card = rgba(style.backgroundColor);
+    const c = document.createElement('canvas'); c.width = c.height = 1;
+    c.getContext('2d').drawImage(img, 0, 0, 1, 1, 0, 0, 1, 1);
+    const corner = [...c.getContext('2d').getImageData(0, 0, 1, 1).data];
+    if (Math.min(...card.slice(0, 3)) < 250 || card[3] < 1 || parseFloat(style.paddingTop) < 4)
+      problems.push(`figure not on a white card: ${img.getAttribute('src')}`);
+    else if (Math.min(...corner) < 250)
+      problems.push(`figure whose own background is not the card's white: ${img.getAttribute('src')}`);
+  }
+  return {problems, texts, figures: figures.length, tables: document.querySelectorAll('article table').length};
+}"""
+
+
 def _pages(html: Path) -> list[str]:
     return sorted(str(p.relative_to(html)) for p in html.rglob("*.html")
                   if not p.relative_to(html).parts[0].startswith("_"))
@@ -68,29 +114,12 @@ def _need_chromium() -> None:
     pytest.skip(f"no Chromium at {CHROMIUM}; `make browser` installs Debian's chromium")
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-@contextlib.contextmanager
-def _served(directory: Path):
-    """`directory` served on a free localhost port; yields the base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-
-
 def check_site(html: Path, screenshots: dict[str, Path] | None = None) -> dict[str, list[str]]:
     """Load every page of `html` in headless Chromium; returns the problems found on each page."""
     from playwright.sync_api import sync_playwright
 
     problems: dict[str, list[str]] = {}
-    with _served(html) as base, sync_playwright() as p:
+    with served(html) as base, sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         found: list[str] = []
@@ -133,9 +162,10 @@ def test_the_check_catches_a_broken_page(tmp_path):
     assert "empty figure (one colour): flat.png" in text and "page error" in text
 
 
+@functools.cache
 def _built_book() -> Path:
-    for stem in pipeline.chapters():
-        pipeline.execute(stem, profile="cpu")  # a no-op when the chapter tests already ran them
+    """Every chapter executed (unless unchanged) and the HTML book built, once per test session."""
+    pipeline.execute_all(pipeline.chapters(), "cpu", jobs=2)  # a no-op when the chapter tests already ran them
     return pipeline.build_html()
 
 
@@ -172,3 +202,90 @@ def test_with_a_repository_every_chapter_has_a_working_colab_button(tmp_path):
             assert (html / colab.FOLDER / "chapters" / f"{stem}.ipynb").is_file()
     problems = check_site(html)
     assert not problems, "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
+
+
+def _page(browser, base: str, path: str, width: int, dark: bool = False):
+    """A page of the book in a fresh browser context `width` pixels wide, in the theme's dark mode if asked."""
+    context = browser.new_context(viewport={"width": width, "height": 900})
+    if dark:  # what the theme's mode switch stores
+        context.add_init_script("localStorage.setItem('mode', 'dark'); localStorage.setItem('theme', 'dark');")
+    page = context.new_page()
+    page.goto(f"{base}/{path}", wait_until="load")
+    return page
+
+
+def test_the_ledger_shows_each_verdict_without_horizontal_scrolling():
+    """At a 1280-px window and a 390-px phone, the first claim's verdict (and the rest of its row) lies
+    inside the window, and the page does not scroll sideways."""
+    _need_chromium()
+    from playwright.sync_api import sync_playwright
+
+    html, shots = _built_book(), pipeline.BUILD / "screenshots"
+    shots.mkdir(exist_ok=True)
+    first = ledger.entries(pipeline.ROOT)[0]["verdict"].split(" (")[0]
+    with served(html) as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        for width in (1280, 390):
+            page = _page(browser, base, "appendix/claims_ledger.html", width)
+            seen = page.evaluate(LEDGER_FIRST_ROW)
+            page.locator("table.claims-ledger").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / f"claims_ledger-{width}.png"))
+            assert seen["verdict"] == first, seen
+            assert seen["visible"] <= width and seen["pageWidth"] <= width, (width, seen)
+            assert 0 <= seen["verdictBox"][0] and seen["verdictBox"][1] <= seen["visible"], (width, seen)
+            assert all(0 <= left and right <= seen["visible"] for left, right in seen["cellBoxes"]), (width, seen)
+            page.context.close()
+        browser.close()
+
+
+DARK_PAGES = ("chapters/04_mismatch.html", "chapters/05b_sampler_precision.html")
+
+
+def check_dark_mode(html: Path, paths, screenshots: Path | None = None) -> dict[str, dict]:
+    """Load `paths` of `html` in the theme's dark mode; returns what INSPECT_DARK_MODE found on each."""
+    from playwright.sync_api import sync_playwright
+
+    found = {}
+    with served(html) as base, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        for path in paths:
+            page = _page(browser, base, path, 1280, dark=True)
+            found[path] = page.evaluate(INSPECT_DARK_MODE)
+            if screenshots:  # the first figure, where a reader would judge the card
+                figure = page.locator(".cell_output img").first
+                if figure.count():
+                    figure.scroll_into_view_if_needed()
+                page.screenshot(path=str(screenshots / f"dark-{Path(path).stem}.png"))
+            page.context.close()
+        browser.close()
+    return found
+
+
+def test_the_dark_mode_check_catches_dark_text_and_unframed_figures(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.imsave(tmp_path / "plot.png", np.pad(np.arange(64.0).reshape(8, 8), 2, constant_values=100.0), cmap="gray")
+    page = ('<html data-theme="dark"><body style="background:#14181e;color:#ced6dd"><article>{}'
+            '<div class="cell_output"><img src="plot.png" style="{}"></div></article></body></html>')
+    (tmp_path / "bad.html").write_text(page.format('<p style="color:#000">black on dark</p>', ""))
+    (tmp_path / "good.html").write_text(page.format("<p>light on dark</p>", "background:#fff;padding:8px"))
+    found = check_dark_mode(tmp_path, ["bad.html", "good.html"])
+    assert found["good.html"]["problems"] == [] and found["good.html"]["figures"] == 1, found
+    bad = "\n".join(found["bad.html"]["problems"])
+    assert 'p "black on dark"' in bad and "figure not on a white card: plot.png" in bad, bad
+
+
+def test_in_dark_mode_text_tables_and_figures_stay_legible():
+    """Two chapters in the theme's dark mode: all text (prose, code, table cells) stands out from what is
+    behind it, and every figure sits on a white card that matches the plot's own white."""
+    _need_chromium()
+    html, shots = _built_book(), pipeline.BUILD / "screenshots"
+    shots.mkdir(exist_ok=True)
+    found = check_dark_mode(html, DARK_PAGES, shots)
+    for path, seen in found.items():
+        assert not seen["problems"], f"{path}:\n" + "\n".join(seen["problems"])
+        assert seen["texts"] > 100, (path, seen)
+    assert sum(seen["figures"] for seen in found.values()) >= 2 and sum(seen["tables"] for seen in found.values()) >= 2

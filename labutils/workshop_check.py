@@ -1,0 +1,93 @@
+"""Before a workshop: the models its exercises need, built once, and a short check a participant can run.
+
+    python -m labutils.workshop_check prepare   # the lab's models for the seeds the exercises use
+    python -m labutils.workshop_check check     # about two minutes: libraries, a kernel, 4-bit, one GRPO step
+
+Both use the cpu profile unless told otherwise; `make workshop-prep` runs both.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+
+SEEDS = (0, 1)  # the book's seed, and the second seed chapter 0's first exercise runs
+
+
+def prepare(profile_name: str = "cpu") -> list[str]:
+    """Build (or find) the dense and MoE lab models for every seed the exercises use; returns their folders."""
+    from . import models, profiles
+
+    profile = profiles.resolve(profile_name)
+    built = []
+    for seed in SEEDS:
+        for kind in models.KINDS:
+            start = time.perf_counter()
+            path = models.lab_model_dir(kind, profile, seed)
+            built.append(models.display_path(path))
+            print(f"{kind} model, seed {seed}: {built[-1]} ({time.perf_counter() - start:.0f} s)")
+    return built
+
+
+def _step(name: str, fn):
+    start = time.perf_counter()
+    outcome = fn()
+    print(f"ok  {name} ({time.perf_counter() - start:.1f} s){': ' + outcome if outcome else ''}")
+
+
+def check() -> None:
+    """Libraries, a notebook kernel, bitsandbytes' 4-bit layer, and one GRPO step of trl on a tiny model."""
+    import torch
+
+    from . import env_report, grpo, models, pipeline, profiles, rollout
+
+    report = env_report()
+    print(", ".join(f"{k} {v}" for k, v in report.items()))
+    tiny = dataclasses.replace(
+        profiles.PROFILES["cpu"], name="check",
+        dense=profiles.ModelSize(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
+                                 max_positions=256),
+        warmup=profiles.WarmupPlan(steps=3, batch_size=4, lr=1e-3, min_walk=1, max_walk=3))
+    with tempfile.TemporaryDirectory(prefix="workshop-check-") as scratch:
+        import os
+
+        os.environ["LAB_CACHE"] = scratch
+
+        def four_bit():
+            model, _ = grpo.load_4bit(tiny)
+            ids = torch.tensor([[3, 4, 5]])
+            model(input_ids=ids, labels=ids).loss.backward()
+            return f"{sum(p.numel() for p in model.parameters())} parameters, NF4 forward and backward"
+
+        def grpo_step():
+            model, tokenizer = models.load(None, "dense", tiny)
+            plan = dataclasses.replace(tiny.rl, steps=1, batch_size=4, num_generations=2, min_walk=1, max_walk=3,
+                                       prompts=16)
+            sampler = grpo.EngineRollout(rollout.InferenceEngine(model, torch.float32), max_new_tokens=24, seed=0)
+            trainer = grpo.engine_trainer(model, tokenizer, grpo.config(tiny, scratch, plan=plan), tiny, sampler,
+                                          torch.float32, plan=plan)
+            trainer.train()
+            return f"trl {report['trl']}, {trainer.state.global_step} step"
+
+        def kernel():
+            build = pipeline.own_build("workshop-check")
+            pipeline.execute("01_number_formats", "cpu", force=True, build=build)
+            return f"chapter 1 executed into {build.relative_to(pipeline.ROOT)}"
+
+        _step("bitsandbytes 4-bit", four_bit)
+        _step("one GRPO step", grpo_step)
+        _step("papermill and a kernel", kernel)
+    print("ready for the workshop")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("command", choices=("prepare", "check"))
+    parser.add_argument("--profile", default="cpu")
+    args = parser.parse_args(argv)
+    prepare(args.profile) if args.command == "prepare" else check()
+
+
+if __name__ == "__main__":
+    main()
