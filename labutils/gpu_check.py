@@ -1,7 +1,7 @@
 """The GPU check: every chapter in the trimmed gpu profile on a CUDA machine without network.
 
     python -m labutils.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
-    python -m labutils.gpu_check expect   # per chapter: computed memory bound, L4/A100 fit, GPU seconds if run
+    python -m labutils.gpu_check expect   # per chapter: computed memory estimate, L4/A100 fit, GPU seconds if run
     PYTHONPATH=/tmp/precision-lab-site:. python -m labutils.gpu_check run [STEM ...] [--budget 330]
     make gpu-check        # both, with that machine's own Python and torch
 
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "results" / "gpu"
 TARGET = "/tmp/precision-lab-site"
 NEEDED = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "papermill", "jupytext",
-          "ipykernel", "myst_nb", "pandas", "scipy", "matplotlib", "datasets")
+          "ipykernel", "myst_nb.ext.glue", "pandas", "scipy", "matplotlib", "datasets")
 
 
 def install(wheels: Path, target: str) -> None:
@@ -53,12 +53,17 @@ def install(wheels: Path, target: str) -> None:
     if chosen:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", target, *chosen], check=True)
-    probe = "import " + ", ".join(NEEDED) + "; import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+    probe = ("import importlib, torch\nmissing = []\n"
+             f"for name in {NEEDED!r}:\n"
+             "    try:\n        importlib.import_module(name)\n"
+             "    except Exception as err:\n        missing.append(f'{name} ({type(err).__name__}: {err})')\n"
+             "if not torch.cuda.is_available():\n    missing.append('a CUDA device (torch sees none)')\n"
+             "print('; '.join(missing))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, str(ROOT), os.environ.get("PYTHONPATH", "")])}
     check = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
-    if check.returncode:
-        raise SystemExit(f"after installing {len(chosen)} wheels the book still cannot start here: "
-                         f"{check.stderr.strip().splitlines()[-1]}")
+    missing = check.stdout.strip() or check.stderr.strip()
+    if missing:
+        raise SystemExit(f"after installing {len(chosen)} wheels the book still cannot start here; missing: {missing}")
     print(f"installed {len(chosen)} wheels into {target}; every library the chapters import is there")
 
 
@@ -82,42 +87,50 @@ L4_GIB, A100_GIB = 24, 40  # the smaller cards readers rent: Colab's L4, a 40 GB
 
 
 def memory_estimate(profile) -> dict[str, float]:
-    """An upper bound on each chapter's peak GPU memory in GiB, computed from the profile (not measured).
+    """A rough peak of each chapter's GPU memory in GiB, computed from the profile (not measured).
 
-    Weights, gradients and AdamW state in fp32 (16 bytes a parameter), plus the activations of the
-    largest batch a chapter trains on (34 bytes per token, hidden unit and layer for a backward
-    through 16-bit activations, Korthikanti et al. 2022, with attention by SDPA) or scores without
-    gradients (one layer's activations at a time), plus fp32 logits.
+    Weights, gradients and AdamW state in fp32 (16 bytes a parameter); the activations kept for a
+    backward through the largest training batch (34 bytes per token, hidden unit and layer in 16-bit,
+    Korthikanti et al. 2022, doubled for fp32, attention by SDPA); the sampler's fp32 KV cache at its
+    largest (every sequence sampled at once, lengths uniform up to the longest, finished ones leaving
+    the batch: half the sequences at half the length) with its per-token log-probabilities over the
+    vocabulary; and fp32 logits. `make gpu-check` records the measured peaks where chapters do.
     """
     from . import task
 
-    def params(size, vocab=32):
+    vocab = 32  # the lab's character vocabulary, rounded up
+
+    def params(size):
         mlp = 3 * size.hidden_size * size.intermediate_size * max(1, size.num_experts)
         kv = 2 * size.hidden_size * size.hidden_size * size.num_kv_heads // size.num_heads
         return size.num_layers * (2 * size.hidden_size ** 2 + kv + mlp) + vocab * size.hidden_size
 
     def training(size, tokens):
-        return 16 * params(size) + 34 * tokens * size.hidden_size * size.num_layers + 12 * tokens * 32
+        return 16 * params(size) + 68 * tokens * size.hidden_size * size.num_layers + 12 * tokens * vocab
+
+    def sampling(size, sequences, longest):
+        kv_per_token = 2 * size.num_layers * size.hidden_size * size.num_kv_heads // size.num_heads * 4
+        return 4 * params(size) + sequences * longest * (kv_per_token / 4 + 4 * vocab)
 
     def scoring(size, tokens):
-        return 4 * params(size) + 4 * 12 * tokens * size.hidden_size + 4 * tokens * 32
+        return 4 * params(size) + 4 * 12 * tokens * size.hidden_size + 4 * tokens * vocab
 
     def rl_tokens(plan):
         return plan.batch_size * (8 + task.completion_length(plan.max_walk) + 1)
 
-    dense, moe, m = profile.dense, profile.moe, profile.mismatch
-    longest = m.micro_batch * (8 + m.max_len)
+    dense, moe, m, d = profile.dense, profile.moe, profile.mismatch, profile.sampler
+    batch = m.micro_batch * (8 + m.max_len)
     need = {
         "00_lab": training(dense, profile.warmup.batch_size * (8 + task.completion_length(profile.warmup.max_walk))),
         "02_qlora_crash": training(dense, rl_tokens(profile.grpo)),
         "03_loss_scaling": training(dense, rl_tokens(profile.grpo)),
-        "04_mismatch": scoring(dense, longest),
+        "04_mismatch": max(sampling(dense, m.sequences, m.max_len), scoring(dense, batch)),
         "05_grpo_precision": training(dense, rl_tokens(profile.rl)),
         "05b_sampler_precision": max(training(dense, rl_tokens(profile.sampler_rl)),
-                                     scoring(dense, profile.sampler.dial_sequences * profile.sampler.dial_length)),
-        "06_moe": max(training(moe, rl_tokens(profile.rl)), scoring(moe, longest)),
+                                     sampling(dense, d.dial_sequences, 2 * d.dial_length)),
+        "06_moe": max(training(moe, rl_tokens(profile.rl)), sampling(moe, m.sequences, m.max_len), scoring(moe, batch)),
         "07_lora": training(dense, rl_tokens(profile.grpo)),
-        "08_sensitive_ops": scoring(dense, longest),
+        "08_sensitive_ops": scoring(dense, batch),
         "09_fp8": 36 * 4096 ** 2,  # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096
         "10_scaling_out": training(dense, rl_tokens(profile.rl)),
     }
@@ -171,13 +184,36 @@ def _execute(stem: str, work: Path, timeout: float) -> tuple[float, str]:
     except subprocess.TimeoutExpired:
         return time.perf_counter() - start, f"stopped after {timeout:.0f} s"
     seconds = time.perf_counter() - start
+    if not executed.is_file():  # papermill stopped before the notebook ran: no kernel, an import error, memory
+        last = [line for line in done.stderr.splitlines() if line.strip()]
+        return seconds, last[-1] if last else f"papermill exited with {done.returncode} and wrote no notebook"
     try:
         if done.returncode:
             pipeline._accept_expected_errors(executed)
         pipeline._check_required_errors(executed, "cuda")
-    except (pipeline.ChapterError, OSError) as err:
-        return seconds, str(err).splitlines()[0] or done.stderr.strip().splitlines()[-1]
+    except pipeline.ChapterError as err:
+        return seconds, (str(err) or type(err).__name__).splitlines()[0]
     return seconds, ""
+
+
+def engines_agree(device: str) -> float:
+    """Sample with the KV-cached inference engine and rescore with the training engine, both fp32, on a tiny
+    random model; returns the largest log-probability gap. Any transformers whose cache the engine does not
+    use gives gaps of order 0.1: every mismatch a chapter measured would be that bug."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from . import models, profiles, rollout
+
+    torch.manual_seed(0)
+    tokenizer = models.build_tokenizer()
+    size = profiles.ModelSize(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = AutoModelForCausalLM.from_config(models.build_config(size, tokenizer))
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("3+7*4=", "12+5*9=", "1+1*1=")]
+    out = rollout.InferenceEngine(model, torch.float32, device).sample(
+        prompts, max_new_tokens=24, min_new_tokens=24, generator=torch.Generator(device).manual_seed(0))
+    scored = rollout.TrainingEngine(model, torch.float32, device).score(out)
+    return float((scored.logprobs - out.logprobs)[out.mask].abs().max())
 
 
 def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
@@ -188,6 +224,10 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check run needs a CUDA GPU, and torch sees none here.")
+    gap = engines_agree("cuda")
+    if gap > 1e-3:
+        raise SystemExit(f"sampling and rescoring the same fp32 weights disagree by {gap:.2g} nats with this "
+                         f"transformers; its KV cache is not being used as the engines expect.")
     os.environ[profiles.GPU_TRIMMED] = "1"
     full, trimmed = profiles.PROFILES["gpu"], profiles.gpu_trimmed(profiles.PROFILES["gpu"])
     record = provenance(trimmed)
@@ -219,7 +259,7 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
 
 
 def expectations(root: Path = ROOT) -> list[dict]:
-    """Per chapter: the computed memory bound against an L4 and a 40 GB A100, and the H200 run's seconds if any."""
+    """Per chapter: the computed memory estimate against an L4 and a 40 GB A100, and the H200 run's seconds if any."""
     from . import pipeline, profiles
 
     memory = memory_estimate(profiles.PROFILES["gpu"])
@@ -228,7 +268,7 @@ def expectations(root: Path = ROOT) -> list[dict]:
         run = json.loads(path.read_text()).get("provenance", {}) if (path := root / "results" / "gpu" /
                                                                     f"{stem}.json").is_file() else {}
         gib = memory.get(stem, 0.0)
-        rows.append({"chapter": stem, "peak memory bound (GiB, computed)": gib,
+        rows.append({"chapter": stem, "peak memory estimate (GiB, computed)": gib,
                      "fits an L4": gib < L4_GIB, "fits an A100 40GB": gib < A100_GIB,
                      "trimmed run (s)": run.get("seconds"), "on": run.get("gpu"),
                      "untrimmed estimate (s)": run.get("untrimmed_estimate_s")})

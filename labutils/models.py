@@ -115,7 +115,8 @@ def warm_up(model, tokenizer, plan: WarmupPlan, seed: int, progress: bool = True
     losses = []
     for _ in tqdm(range(plan.steps), desc="warm-up", disable=not progress, mininterval=5):
         problems = task.sample_problems(rng, plan.batch_size, plan.min_walk, plan.max_walk)
-        ids, mask, labels = _encode_batch(tokenizer, problems)
+        device = next(model.parameters()).device
+        ids, mask, labels = (t.to(device) for t in _encode_batch(tokenizer, problems))
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -149,13 +150,13 @@ def eval_problems(profile: Profile, seed: int = 0) -> list[task.Problem]:
     return task.sample_problems(random.Random(10_000 + seed), r.eval_problems, r.min_walk, r.max_walk)
 
 
-def _build(kind: str, size: ModelSize, plan: WarmupPlan, seed: int, target: Path) -> None:
+def _build(kind: str, size: ModelSize, plan: WarmupPlan, seed: int, target: Path, device: str = "cpu") -> None:
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
     torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    model = AutoModelForCausalLM.from_config(build_config(size, tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(build_config(size, tokenizer), dtype=torch.float32).to(device)
     start = time.perf_counter()
     losses = warm_up(model, tokenizer, plan, seed)
     seconds = time.perf_counter() - start
@@ -188,7 +189,7 @@ def lab_model_dir(kind: str, profile: Profile, seed: int = 0, rebuild: bool = Fa
     path = cache_root() / f"{kind}-{profile.name}-s{seed}-{build_key(kind, size, plan, seed)}"
     if rebuild or not _is_complete(path):
         print(f"building the lab's {kind} model into {display_path(path)} (one-time warm-up)")
-        _build(kind, size, plan, seed, path)
+        _build(kind, size, plan, seed, path, profile.device)
     return path
 
 
@@ -265,9 +266,12 @@ def complete_special_tokens(model, tokenizer) -> list[str]:
     for config in (model.config, getattr(model, "generation_config", None)):
         if config is None:
             continue
-        if config.pad_token_id is None:
+        if config.pad_token_id is None or config.pad_token_id >= rows:
             config.pad_token_id = tokenizer.pad_token_id
-        if not isinstance(config.eos_token_id, int):  # None, or a list of stop ids
+        if config is model.config and not isinstance(config.eos_token_id, int):
+            # the engines stop at one id: the tokenizer's EOS (a chat model's end of turn), not the first of a list
+            config.eos_token_id = tokenizer.eos_token_id
+        elif config.eos_token_id is None:  # generation keeps a list of stop ids where it has one (trl reads it)
             config.eos_token_id = tokenizer.eos_token_id
     return filled
 

@@ -156,10 +156,9 @@ def _device(profile: str) -> str:
 
 def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
     """Where a participant's own runs go (`_build/runs/<name>`): never the book's results."""
-    name = participant or os.environ.get("LAB_PARTICIPANT") or "mine"
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ValueError(f"participant {name!r} is not a folder name; use letters, digits, '.', '_' or '-'.")
-    return root / "_build" / "runs" / name
+    from .results import participant as checked
+
+    return root / "_build" / "runs" / checked(participant)
 
 
 FIRST = "00_lab"  # builds the lab's models
@@ -343,9 +342,18 @@ def compare(jobs: int = 2, root: Path = ROOT) -> float:
     import tempfile
 
     stems = chapters(root)
-    with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
-        serial = execute_all(stems, "cpu", jobs=1, force=True, build=Path(scratch) / "serial", root=root)
-        concurrent = execute_all(stems, "cpu", jobs=jobs, force=True, build=Path(scratch) / "concurrent", root=root)
+    cache = os.environ.get("LAB_CACHE")
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-") as scratch:
+            os.environ["LAB_CACHE"] = f"{scratch}/serial-cache"  # each pass builds the lab's models itself
+            serial = execute_all(stems, "cpu", jobs=1, force=True, build=Path(scratch) / "serial", root=root)
+            os.environ["LAB_CACHE"] = f"{scratch}/concurrent-cache"
+            concurrent = execute_all(stems, "cpu", jobs=jobs, force=True, build=Path(scratch) / "concurrent",
+                                     root=root)
+    finally:
+        os.environ.pop("LAB_CACHE", None)
+        if cache is not None:
+            os.environ["LAB_CACHE"] = cache
     print(f"whole book, cpu profile: serial {serial:.0f} s, {jobs} at a time {concurrent:.0f} s: "
           f"{serial / concurrent:.2f}x faster")
     return serial / concurrent
@@ -377,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="run: a chapter parameter, key=value (repeatable)")
     parser.add_argument("--participant", help="run: whose runs folder (_build/runs/<name>; default $LAB_PARTICIPANT)")
     args = parser.parse_args(argv)
+    if args.parameters and args.command != "run":
+        parser.error("-p sets a participant's parameters: use it with `run` (the book's build takes none).")
     if args.command == "bench":
         compare(args.jobs) if args.compare else bench()
         return

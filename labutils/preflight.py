@@ -108,11 +108,11 @@ def check(model, args, device: str | None = None, capability: tuple[int, int] | 
         cap = capability or (torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
         if cap is not None and tuple(cap) < BF16_MIN_CAPABILITY:
             findings.append(Finding(
-                "bf16_unsupported_gpu", "error",
-                f"bf16=True on a GPU of compute capability {cap[0]}.{cap[1]} (bf16 needs 8.0, Ampere, or newer).",
-                "T4, V100 and older GPUs have no bf16 tensor cores; transformers refuses bf16 there or it runs "
-                "emulated and slow.",
-                "use fp16=True with fp32 trainable parameters (a GradScaler handles the range), or fp32."))
+                "bf16_unsupported_gpu", "warning",
+                f"bf16=True on a GPU of compute capability {cap[0]}.{cap[1]} (bf16 arithmetic needs 8.0, Ampere).",
+                "T4, V100 and older GPUs have no bf16 tensor cores: PyTorch runs bf16 there without them (values "
+                "stored and rounded in bf16, slowly), and attention with a mask falls back to its math kernel.",
+                "for speed, use fp16=True with fp32 trainable parameters (a GradScaler handles the range), or fp32."))
     if fp16 and device == "cpu":
         findings.append(Finding(
             "fp16_on_cpu", "warning", "fp16=True on the CPU is silently ignored.",

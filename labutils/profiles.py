@@ -200,8 +200,8 @@ def resolve(profile: str) -> Profile:
 
     "auto" is "gpu" on any CUDA GPU, else "cpu". A GPU below compute capability 8.0 (a T4, a V100)
     has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
-    bf16 runs through CUDA's emulation (fp32 arithmetic on bf16 values), slower; chapters say which
-    of their parts that touches (`check_parameters(..., bf16_parts=...)`).
+    bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
+    (`check_parameters(..., bf16_parts=...)`).
     """
     if profile not in VALID_PROFILES:
         raise ValueError(
@@ -222,7 +222,9 @@ def resolve(profile: str) -> Profile:
     if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
         chosen = gpu_trimmed(chosen)
     if profile == "gpu" and torch.cuda.get_device_capability() < BF16_MIN_CAPABILITY:
-        chosen = replace(chosen, bf16_native=False)
+        # bf16 attention with a mask takes PyTorch's math kernel there, whose scores grow with length²:
+        # rescore 4 sequences of up to 4,000 tokens at a time, not 64
+        chosen = replace(chosen, bf16_native=False, mismatch=replace(chosen.mismatch, micro_batch=4))
     return chosen
 
 
@@ -234,8 +236,9 @@ def bf16_note(profile: Profile, parts: str) -> str | None:
 
     major, minor = torch.cuda.get_device_capability()
     return (f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}) has no bf16 arithmetic: "
-            f"{parts} run through CUDA's bf16 emulation here (fp32 arithmetic on values stored in bf16): their "
-            "results are bf16-rounded, their speed is not bf16 hardware's; fp16 and fp32 run natively.")
+            f"{parts} run on it without bf16 tensor cores (values stored and rounded in bf16, matmuls accumulated "
+            "in fp32, attention with a mask through PyTorch's math kernel), so their timings are not an Ampere "
+            "GPU's and their attention rounding may differ from one; fp16 and fp32 run natively.")
 
 
 def check_parameters(profile: str, seed: int, **optional) -> Profile:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -28,8 +29,16 @@ def results_dir() -> Path:
     """
     if "LAB_RESULTS_DIR" in os.environ:
         return Path(os.environ["LAB_RESULTS_DIR"])
-    name = os.environ.get("LAB_PARTICIPANT") or "mine"
-    return (project_root() or Path.cwd()) / "_build" / "runs" / name / "results"
+    return (project_root() or Path.cwd()) / "_build" / "runs" / participant() / "results"
+
+
+def participant(name: str | None = None) -> str:
+    """`name`, else $LAB_PARTICIPANT, else "mine": one plain folder name, never a path out of `_build/runs`."""
+    name = name or os.environ.get("LAB_PARTICIPANT") or "mine"
+    if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", name):
+        raise ValueError(f"participant {name!r} is not a folder name; use letters, digits, '_' or '-' "
+                         "(and '.' after the first character).")
+    return name
 
 
 def flatten(metrics: dict, prefix: str = "") -> dict:

@@ -49,6 +49,15 @@ def special_ids(config) -> tuple[int, int]:
     return (eos if config.pad_token_id is None else config.pad_token_id), eos
 
 
+def cache_keyword(model) -> str:
+    """The name a model's forward takes its KV cache by: `cache` in newer transformers, `past_key_values`
+    before. A wrong name vanishes into **kwargs and every step decodes without context, raising nothing."""
+    import inspect
+
+    forward = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in forward else "past_key_values"
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids that start at 0 on each row's first real token (padding on either side)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -104,6 +113,7 @@ class InferenceEngine:
             self.dial.install(self.model)
         self.dtype, self.device = dtype, device
         self.pad_id, self.eos_id = special_ids(self.model.config)
+        self._cache_kw = cache_keyword(self.model)
 
     @torch.no_grad()
     def sync(self, model) -> None:
@@ -152,7 +162,7 @@ class InferenceEngine:
         recorder = moe.RouterRecorder(self.model) if keep_experts else contextlib.nullcontext()
         with recorder:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True, logits_to_keep=1)
+                             **{self._cache_kw: cache}, use_cache=True, logits_to_keep=1)
             experts = prompt_experts = None
             if keep_experts:  # routing of the last prompt token, which predicts completion token 0
                 experts = torch.full((batch, steps, len(recorder.latest), recorder.modules[0].top_k), -1,
@@ -193,7 +203,7 @@ class InferenceEngine:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                             cache=cache, use_cache=True)
+                             **{self._cache_kw: cache}, use_cache=True)
             if experts is not None:  # the routing of token `step`, which predicts token `step + 1`
                 for layer, chosen in enumerate(recorder.latest):
                     experts[rows, step + 1, layer] = chosen

@@ -84,7 +84,7 @@ def page(root: Path) -> str:
     header = ["chapter", "this build", "ran (UTC)", "profile", "device", "seconds"]
     header += [f"{lib} version" for lib in sorted(differ)]
     if gpu:
-        header += ["gpu reference", "gpu seconds"]
+        header += ["gpu reference", "gpu seconds (trimmed profile)"]
     rows, how = [], {stem: _how(stem, root, stem in cpu) for stem in stems}
     for stem in stems:
         run = cpu.get(stem, {})
@@ -102,7 +102,9 @@ def page(root: Path) -> str:
 
     rows.append(["**total**", "", "", "", "", total(cpu), *[""] * len(differ)] + (["", total(gpu)] if gpu else []))
     kinds = [kind for kind, _ in how.values()]
-    gpu_note = (f"GPU reference runs (committed in `results/gpu/`, executed on a GPU, not by this build): "
+    gpu_note = (f"GPU reference runs (committed in `results/gpu/`, executed on a GPU by `make gpu-check`, not by "
+                f"this build; the gpu profile trimmed to fewer steps, seeds and sequences, so a full gpu-profile run "
+                f"takes longer): "
                 f"{_listing(_versions(gpu)[0])}." if gpu else
                 "No GPU reference run is committed yet (`results/gpu/` is empty), so there are no GPU times.")
     return "\n".join([

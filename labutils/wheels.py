@@ -16,9 +16,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-ROOTS = ("trl", "bitsandbytes", "peft", "accelerate", "papermill", "jupytext", "ipykernel", "myst-nb")
+ROOTS = ("trl", "bitsandbytes", "peft", "accelerate", "papermill", "jupytext", "ipykernel", "myst-nb", "docutils")
 MATCH = ("trl", "bitsandbytes", "peft", "accelerate")
-NO_DEPS = ("myst-nb",)  # the chapters import only its `glue`; Sphinx and the rest serve the HTML build
+NO_DEPS = ("myst-nb",)  # the chapters use only its `glue` (which needs docutils); Sphinx serves the HTML build
 # What a CUDA PyTorch image (Colab's, NGC's, the lent H200's) carries: its torch, CUDA libraries, scientific
 # and Hugging Face/web stacks (transformers too: 13 MB, and the book runs on 5.x). Not carried; `gpu_check install` checks they import before any work.
 PROVIDED = re.compile(r"^(torch|triton|transformers|nvidia-.*|cuda-.*|numpy|scipy|pandas|matplotlib|pyarrow|pillow|contourpy|"

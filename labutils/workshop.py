@@ -70,7 +70,7 @@ def page(root: Path) -> str:
     def run_time(stem):
         here, gpu = times[stem]["build"], times[stem]["gpu"]
         shown = status.seconds(here) if here is not None else "not yet run"
-        return f"{stem} ({shown}{f'; gpu {status.seconds(gpu)}' if gpu is not None else ''})"
+        return f"{stem} ({shown}{f'; gpu, trimmed, {status.seconds(gpu)}' if gpu is not None else ''})"
 
     rows = [[b.name, f"{b.minutes} min", "; ".join(run_time(s) for s in b.chapters) or "–"] for b in PLAN]
     ran = {stem: t["build"] for stem, t in times.items() if t["build"] is not None}
@@ -120,7 +120,7 @@ def page(root: Path) -> str:
         "where the package is already installed. Choose a GPU runtime: `profile=\"auto\"` picks the `gpu` "
         "profile on any of them. On the free T4, which has no bf16 arithmetic, the fp16 and fp32 parts run "
         "natively, chapter 2 raises the real CUDA error, and each chapter says in one sentence which of its "
-        "bf16 parts run through CUDA's bf16 emulation (right rounding, not bf16 speed).", "",
+        "bf16 parts run there without bf16 tensor cores (bf16 values, not bf16 speed).", "",
         "## Exercises", "",
         "Every chapter ends with exercises run as predict, run, explain; the solutions are folded so a teacher "
         "can reveal them after the room has tried, and each quotes what this build measured.", ""]

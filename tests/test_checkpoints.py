@@ -119,3 +119,16 @@ def test_a_missing_or_unseen_pad_token_becomes_eos(bpe_checkpoint, cls):
     tokenizer = getattr(transformers, cls).from_pretrained(bpe_checkpoint)
     assert models.complete_special_tokens(model, tokenizer)[0].startswith("pad token = EOS")
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == model.config.pad_token_id
+
+
+def test_list_valued_stop_ids_stay_for_generation_and_the_engines_stop_at_the_tokenizers_eos(bpe_checkpoint):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    model = AutoModelForCausalLM.from_pretrained(bpe_checkpoint)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(bpe_checkpoint)
+    rows = model.get_input_embeddings().num_embeddings
+    model.config.eos_token_id, model.config.pad_token_id = [5, tokenizer.eos_token_id], rows + 7  # as chat checkpoints
+    model.generation_config.eos_token_id = [5, tokenizer.eos_token_id]
+    models.complete_special_tokens(model, tokenizer)
+    assert model.generation_config.eos_token_id == [5, tokenizer.eos_token_id]
+    assert rollout.special_ids(model.config) == (tokenizer.eos_token_id, tokenizer.eos_token_id)

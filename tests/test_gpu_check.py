@@ -31,7 +31,7 @@ def test_the_wheel_folder_installs_into_a_clean_target_without_an_index(wheel_fo
 
 
 def test_install_takes_the_measured_libraries_and_refuses_a_machine_without_cuda(wheel_folder, tmp_path):
-    with pytest.raises(SystemExit, match="no CUDA device"):
+    with pytest.raises(SystemExit, match="a CUDA device"):
         gpu_check.install(wheel_folder, str(tmp_path))
     taken = {wheels.canonical(p.name.split("-")[0]) for p in tmp_path.glob("*.dist-info")}
     assert set(wheels.MATCH) <= taken  # always the versions the book was measured with
@@ -67,3 +67,11 @@ def test_a_chapter_executes_the_way_gpu_check_runs_it(tmp_path, monkeypatch):
     assert (tmp_path / "results" / "01_number_formats.json").is_file()
     seconds, problem = gpu_check._execute("01_number_formats", tmp_path, timeout=1)
     assert problem == "stopped after 1 s"
+
+
+def test_the_engines_agree_with_the_cache_used_and_not_without_it(monkeypatch):
+    from labutils import rollout
+
+    assert gpu_check.engines_agree("cpu") < 1e-5
+    monkeypatch.setattr(rollout, "cache_keyword", lambda model: "not_a_cache")  # as a transformers that renamed it
+    assert gpu_check.engines_agree("cpu") > 1e-3

@@ -25,7 +25,16 @@ CUDA_ONLY = {
     ("09_fp8", 'run.record(matmul={"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",'),
     ("11_troubleshooting", 'old_gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 0)'),
 }
+# ... and in labutils: what runs only where the device is CUDA (the CPU takes the other side of each)
+CUDA_ONLY_HELPERS = {
+    ("env.py", "if torch.cuda.is_available():"),  # the GPU's name and CUDA version in env_report
+    ("grpo.py", 'if device != "cuda" or train_dtype == torch.float32:'),  # accelerate's fp16/bf16 flags, its scaler
+    ("measure.py", 'if device.startswith("cuda"):'),  # max_memory_allocated and reserved
+    ("rollout.py", 'if kind == "cuda":'),  # engine_dtype's CUDA checks
+}
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
+HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')
+NOT_RUN_BY_CHAPTERS = {"gpu_check.py", "profiles.py", "preflight.py", "status.py"}  # tested on their own
 
 
 def test_the_cuda_only_lines_are_the_listed_ones():
@@ -35,6 +44,10 @@ def test_the_cuda_only_lines_are_the_listed_ones():
             if BRANCH.search(line):
                 found.add((stem, line.strip()))
     assert found == CUDA_ONLY, "a chapter branches on CUDA in a new place: list it in CUDA_ONLY, or run it here"
+    helpers = {(module.name, line.strip()) for module in sorted((pipeline.ROOT / "labutils").glob("*.py"))
+               if module.name not in NOT_RUN_BY_CHAPTERS
+               for line in module.read_text().splitlines() if HELPER_BRANCH.search(line)}
+    assert helpers == CUDA_ONLY_HELPERS, "labutils branches on CUDA in a new place: list it, or run it here"
 
 
 def test_the_test_mode_keeps_the_gpu_sizes_on_the_cpu(monkeypatch):

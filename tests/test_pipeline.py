@@ -118,8 +118,9 @@ def test_a_participants_runs_leave_the_books_results_untouched(tmp_path, capsys)
     assert book.read_text() == published
     pipeline.execute("zz_tiny", "cpu", root=root)
     assert "unchanged, not executed again" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="not a folder name"):
-        pipeline.own_build("../book", root)
+    for name in ("../book", "..", ".", "a/b"):
+        with pytest.raises(ValueError, match="not a folder name"):
+            pipeline.own_build(name, root)
 
 
 def test_participant_parameters_are_read_as_literals():
