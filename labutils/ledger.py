@@ -243,8 +243,15 @@ def entries(root: Path) -> list[dict]:
             env = gpu[claim.chapter]["env"]
             on_gpu = f"{_evaluate(claim, gpu)[0]} ({env.get('device_name')}, torch {env.get('torch')})"
         if claim.device == "gpu":
-            verdict = (_evaluate(claim, gpu)[1] if claim.chapter in gpu
-                       else NOT_MEASURED + " (a claim about GPUs; no GPU reference run is committed)")
+            run = gpu.get(claim.chapter)
+            capability = (run or {}).get("provenance", {}).get("capability", "0.0")
+            if run is None:
+                verdict = NOT_MEASURED + " (a claim about GPUs; no GPU reference run is committed)"
+            elif tuple(int(part) for part in capability.split(".")) < (8, 0):  # a T4 or V100 says nothing of A100s
+                verdict = NOT_MEASURED + (f" (a claim about bf16-capable GPUs; the committed run is on "
+                                          f"{run['env'].get('device_name')}, compute capability {capability})")
+            else:
+                verdict = _evaluate(claim, gpu)[1]
         found.append({"number": i, "claim": claim, "measured": measured, "on_gpu": on_gpu, "verdict": verdict})
     return found
 

@@ -53,11 +53,12 @@ def test_number_format_verdicts_on_both_sides():
 def test_a_gpu_claim_is_judged_only_on_a_gpu_reference(tmp_path):
     import json
 
-    def write(folder, fp16, bf16):
+    def write(folder, fp16, bf16, capability="9.0"):
         folder.mkdir(parents=True, exist_ok=True)
         metrics = {"combo.fp16_fp16.tokens_per_s": fp16, "combo.bf16_bf16.tokens_per_s": bf16}
         (folder / "05_grpo_precision.json").write_text(json.dumps(
-            {"chapter": "05_grpo_precision", "env": {"device_name": "x", "torch": "y"}, "metrics": metrics}))
+            {"chapter": "05_grpo_precision", "env": {"device_name": "x", "torch": "y"}, "metrics": metrics,
+             "provenance": {"capability": capability}}))
 
     def row():
         index = next(i for i, c in enumerate(ledger.CLAIMS, 1) if c.device == "gpu" and "faster" in c.says)
@@ -69,6 +70,8 @@ def test_a_gpu_claim_is_judged_only_on_a_gpu_reference(tmp_path):
     assert row().split(" | ")[1] == "{bdg-success}`confirmed`"
     write(tmp_path / "results" / "gpu", 800.0, 1000.0)
     assert row().split(" | ")[1] == "{bdg-danger}`contradicted`"
+    write(tmp_path / "results" / "gpu", 1500.0, 1000.0, capability="7.5")  # a T4 says nothing of A100s
+    assert ledger.NOT_MEASURED in row() and "compute capability 7.5" in row()
 
 
 def test_the_verdict_comes_right_after_the_claims_number_as_a_badge():
