@@ -185,21 +185,29 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
 
     def one(stem: str) -> None:
         if stem != FIRST and stem not in WITHOUT_MODELS and FIRST in futures:
-            futures[FIRST].result()  # the models exist (or chapter 0 failed, and this one would too)
+            if futures[FIRST].exception() is not None:  # waits for the models; without them this one fails too
+                raise ChapterError(f"{stem}: not run, {FIRST} failed")
         if not force and up_to_date(stem, {"profile": resolve_profile(profile)}, build, root):
             print(f"{stem}: unchanged, not executed again")
             return
         command = [sys.executable, "-m", "labutils.pipeline", "execute", stem, "--profile", profile,
-                   "--build", str(build)] + (["--force"] if force else [])
-        subprocess.run(command, check=True, env=env, cwd=root)
+                   "--build", str(build), "--root", str(root)] + (["--force"] if force else [])
+        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+        print(done.stdout, end="")
+        if done.returncode:
+            print(done.stderr, file=sys.stderr)
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+            reason = (errors or lines or [f"exited with {done.returncode}"])[-1]
+            raise ChapterError(f"{stem}: {reason}")
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         for stem in order:
             futures[stem] = pool.submit(one, stem)
-    failed = [stem for stem, future in futures.items() if future.exception() is not None]
+    failed = [str(future.exception()) for future in futures.values() if future.exception() is not None]
     if failed:  # every other chapter has finished: one failure does not cost the rest
-        raise ChapterError(f"{', '.join(failed)} failed (the output above says why).")
+        raise ChapterError("; ".join(failed))
     return time.perf_counter() - start
 
 
@@ -380,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="execute even if unchanged")
     parser.add_argument("--jobs", type=int, default=2, help="chapters executed at a time (after chapter 0)")
     parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     parser.add_argument("--compare", action="store_true", help="bench: serial against --jobs at a time")
     parser.add_argument("-p", dest="parameters", action="append", type=_parameter, default=[],
                         help="run: a chapter parameter, key=value (repeatable)")
@@ -398,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"results: {build / 'results' / (args.stems[0] + '.json')}")
         return
     if args.command == "execute" and len(args.stems) == 1:
-        execute(args.stems[0], args.profile, force=args.force, build=args.build)
+        execute(args.stems[0], args.profile, force=args.force, root=args.root, build=args.build)
     else:
         seconds = execute_all(args.stems or chapters(), args.profile, jobs=args.jobs, force=args.force,
                               build=args.build)

@@ -127,3 +127,9 @@ def test_participant_parameters_are_read_as_literals():
     assert pipeline._parameter("seed=1") == ("seed", 1) and pipeline._parameter("model_id=/tmp/m") == ("model_id", "/tmp/m")
     with pytest.raises(Exception, match="key=value"):
         pipeline._parameter("seed")
+
+
+def test_execute_all_names_the_failed_chapter_and_its_error(tmp_path):
+    root = _project(tmp_path, tags="hide-output", body="raise KeyError('unexpected')")
+    with pytest.raises(pipeline.ChapterError, match=r"zz_tiny: .*ChapterError: zz_tiny.ipynb: a cell not tagged"):
+        pipeline.execute_all(["zz_tiny"], "cpu", jobs=2, root=root)
