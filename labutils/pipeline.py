@@ -90,6 +90,7 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     except papermill.PapermillExecutionError:
         _accept_expected_errors(executed)  # re-raises unless every error is in a `raises-exception` cell
     _check_required_errors(executed, _device(params["profile"]))
+    _hide_machine_paths(executed, root)
     _sign_results(results_file, key, since=began - 1)
     stamp.write_text(key)
     print(f"{stem}: executed in {time.perf_counter() - start:.1f} s ({params})")
@@ -230,6 +231,32 @@ def _check_required_errors(executed: Path, device: str) -> None:
         if required and not any(o.output_type == "error" for o in cell.get("outputs", [])):
             raise ChapterError(f"{executed.name}: cell {index} is tagged {required[0]} but raised nothing on "
                                f"{device}\n--- cell ---\n{cell.source}")
+
+
+def _hide_machine_paths(executed: Path, root: Path) -> None:
+    """Tracebacks and warnings name files by this machine's paths; a reader sees them relative to the
+    project and to site-packages instead."""
+    import site
+    import sysconfig
+
+    import nbformat
+
+    prefixes = sorted({sysconfig.get_paths()["purelib"], *site.getsitepackages()}, key=len, reverse=True)
+    swaps = [(prefix.rstrip("/") + "/", "<site-packages>/") for prefix in prefixes] + [(str(root) + "/", "")]
+
+    def clean(text: str) -> str:
+        for old, new in swaps:
+            text = text.replace(old, new)
+        return text
+
+    notebook = nbformat.read(executed, as_version=4)
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream":
+                output.text = clean(output.text)
+            elif output.output_type == "error":
+                output.traceback = [clean(line) for line in output.traceback]
+    nbformat.write(notebook, executed)
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:

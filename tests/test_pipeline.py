@@ -133,3 +133,14 @@ def test_execute_all_names_the_failed_chapter_and_its_error(tmp_path):
     root = _project(tmp_path, tags="hide-output", body="raise KeyError('unexpected')")
     with pytest.raises(pipeline.ChapterError, match=r"zz_tiny: .*ChapterError: zz_tiny.ipynb: a cell not tagged"):
         pipeline.execute_all(["zz_tiny"], "cpu", jobs=2, root=root)
+
+
+def test_executed_notebooks_show_no_machine_paths(tmp_path):
+    import nbformat
+
+    root = _project(tmp_path, body="import torch.amp.grad_scaler as g\nraise ValueError(g.__file__)")
+    executed = pipeline.execute("zz_tiny", "cpu", root=root)
+    notebook = nbformat.reads(executed.read_text(), as_version=4)
+    error = next(o for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "error")
+    shown = "\n".join(error.traceback)
+    assert "<site-packages>/torch/amp/grad_scaler.py" in shown and str(tmp_path) not in shown
