@@ -236,7 +236,7 @@ def policy_gradient(model, engine, prompts: list[list[int]], answers: list[str],
         advantage = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).flatten()
         ids, mask, offsets = rollout.pack(out, torch.arange(len(repeated)), engine.pad_id)
         device = next(model.parameters()).device
-        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float().cpu()
+        logits = model(**rollout.packed_inputs(ids, mask, device)).logits.float().cpu()
         steps = out.completion_ids.shape[1]
         logp = torch.stack([torch.log_softmax(logits[i, o - 1:o - 1 + steps], -1)
                             .gather(-1, out.completion_ids[i].clamp(min=0)[:, None]).squeeze(-1)

@@ -116,8 +116,8 @@ def warm_up(model, tokenizer, plan: WarmupPlan, seed: int, progress: bool = True
     for _ in tqdm(range(plan.steps), desc="warm-up", disable=not progress, mininterval=5):
         problems = task.sample_problems(rng, plan.batch_size, plan.min_walk, plan.max_walk)
         device = next(model.parameters()).device
-        ids, mask, labels = (t.to(device) for t in _encode_batch(tokenizer, problems))
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ids, _, labels = (t.to(device) for t in _encode_batch(tokenizer, problems))
+        loss = model(input_ids=ids, labels=labels).loss  # right-padded: causal attention needs no mask
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -303,3 +303,21 @@ def load(model_id: str | None = None, kind: str = "dense", profile: Profile | No
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m labutils.models dense --profile cpu`: build (or find) one of the lab's models."""
+    import argparse
+
+    from .profiles import resolve
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("--profile", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(f"the lab's {args.kind} model: {display_path(lab_model_dir(args.kind, resolve(args.profile), args.seed))}")
+
+
+if __name__ == "__main__":
+    main()

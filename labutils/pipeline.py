@@ -162,17 +162,18 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
     return root / "_build" / "runs" / checked(participant)
 
 
-FIRST = "00_lab"  # builds the lab's models
-WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none: they run beside chapter 0
+BOOK_FIRST = "00_lab"  # the book starts here
+WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
                 build: Path | None = None, root: Path = ROOT) -> float:
     """Execute `stems` `jobs` at a time, each in a process of its own; returns the wall seconds.
 
-    Chapter 0 goes first (beside the chapters that need no model), then the rest, longest last run
-    first. With `jobs` > 1 every kernel is single-threaded, so two chapters do not fight over the
-    cores; `jobs=1` runs them one after another with torch's default threads.
+    For the whole book the lab's models are built first, each kind in a process of its own (beside the
+    chapters that need none); then every chapter, the longest last run first. With `jobs` > 1 every process is
+    single-threaded, so two do not fight over the cores; `jobs=1` runs everything one after another
+    with torch's default threads.
     """
     import concurrent.futures
 
@@ -180,14 +181,24 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
     env = dict(os.environ)
     if jobs > 1:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    order = sorted(stems, key=lambda s: (s != FIRST, s not in WITHOUT_MODELS,
-                                         -_last_seconds(build / "results" / f"{s}.json")))
+    hint = [build / "results", root / "_build" / "results"]  # a fresh build folder orders by the book's last run
+    order = sorted(stems, key=lambda s: (s not in WITHOUT_MODELS, -max(_last_seconds(d / f"{s}.json") for d in hint)))
+    models: dict = {}
     futures: dict = {}
 
+    def build_model(kind: str) -> None:
+        command = [sys.executable, "-m", "labutils.models", kind, "--profile", profile]
+        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+        print(done.stdout, end="")
+        if done.returncode:
+            print(done.stderr, file=sys.stderr)
+            raise ChapterError(f"the lab's {kind} model: {_error_line(done)}")
+
     def one(stem: str) -> None:
-        if stem != FIRST and stem not in WITHOUT_MODELS and FIRST in futures:
-            if futures[FIRST].exception() is not None:  # waits for the models; without them this one fails too
-                raise ChapterError(f"{stem}: not run, {FIRST} failed")
+        if stem not in WITHOUT_MODELS:
+            for kind, future in models.items():  # waits for the models; without them the chapter fails too
+                if future.exception() is not None:
+                    raise ChapterError(f"{stem}: not run, the lab's {kind} model was not built")
         if not force and up_to_date(stem, {"profile": resolve_profile(profile)}, build, root):
             print(f"{stem}: unchanged, not executed again")
             return
@@ -197,19 +208,39 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
         print(done.stdout, end="")
         if done.returncode:
             print(done.stderr, file=sys.stderr)
-            lines = [line for line in done.stderr.splitlines() if line.strip()]
-            errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
-            reason = (errors or lines or [f"exited with {done.returncode}"])[-1]
-            raise ChapterError(f"{stem}: {reason}")
+            raise ChapterError(f"{stem}: {_error_line(done)}")
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        if BOOK_FIRST in stems and _resolves(profile):  # the book's build: its models before its chapters
+            from .models import KINDS
+
+            models.update({kind: pool.submit(build_model, kind) for kind in KINDS})
         for stem in order:
             futures[stem] = pool.submit(one, stem)
-    failed = [str(future.exception()) for future in futures.values() if future.exception() is not None]
+    failed = [str(future.exception()) for future in [*models.values(), *futures.values()]
+              if future.exception() is not None]
     if failed:  # every other chapter has finished: one failure does not cost the rest
         raise ChapterError("; ".join(failed))
     return time.perf_counter() - start
+
+
+def _resolves(profile: str) -> bool:
+    """Whether `profile` runs here; where it does not, each chapter says so itself."""
+    from . import profiles
+
+    try:
+        profiles.resolve(profile)
+    except ValueError:
+        return False
+    return True
+
+
+def _error_line(done: subprocess.CompletedProcess) -> str:
+    """The last error line a failed process printed (or its exit status)."""
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+    return (errors or lines or [f"exited with {done.returncode}"])[-1]
 
 
 def _last_seconds(path: Path) -> float:

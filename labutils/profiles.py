@@ -124,7 +124,7 @@ PROFILES = {
         sampler=SamplerPlan(dial_sequences=4, dial_length=1000, bias_prompts=16, bias_group=4, bias_batches=6,
                             bits=2, seeds=2, eval_problems=64, eval_every=4, collapse_margin=0.15,
                             long_seeds=8, long_steps=150, long_eval_problems=128),
-        sampler_rl=GrpoPlan(steps=12, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
+        sampler_rl=GrpoPlan(steps=8, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
     ),
     "gpu": Profile(
@@ -156,14 +156,15 @@ GPU_PATHS_ON_CPU = "LAB_GPU_PATHS_ON_CPU"  # test mode, set by tests/test_gpu_pa
 
 
 def gpu_paths_on_cpu(gpu: Profile) -> Profile:
-    """The gpu profile's model sizes, group sizes and ranks on the CPU, every step, count and length at a minimum.
+    """The gpu profile's layer shapes, group sizes and ranks on the CPU, every step, count, length and the
+    depth at a minimum.
 
     It executes the gpu profile's code paths (shapes, configs, API calls) where CI runs; its numbers
-    mean nothing: the models are barely warmed up.
+    mean nothing: the models are two layers deep and barely warmed up.
     """
     short = dict(steps=2, batch_size=2 * gpu.grpo.num_generations, prompts=64, min_walk=1, max_walk=3)
     return replace(
-        gpu, device="cpu",
+        gpu, device="cpu", dense=replace(gpu.dense, num_layers=2), moe=replace(gpu.moe, num_layers=2),
         warmup=replace(gpu.warmup, steps=2, batch_size=4, max_walk=4),
         moe_warmup=replace(gpu.moe_warmup, steps=2, batch_size=4, max_walk=4),
         task=replace(gpu.task, eval_problems=8, length_problems=2, max_walk=4),

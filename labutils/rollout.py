@@ -278,8 +278,7 @@ class TrainingEngine:
                 ids, mask, offsets = pack(rollout, rows, self.pad_id)
                 if replay:
                     replayer.plan(_replayed_routing(rollout, rows, ids.shape[1], offsets))
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                    position_ids=_positions(mask).to(self.device)).logits.float().cpu()
+                logits = self.model(**packed_inputs(ids, mask, self.device)).logits.float().cpu()
                 if keep_experts:
                     chosen = torch.stack([c.view(len(rows), ids.shape[1], -1) for c in recorder.latest], dim=2).cpu()
                     if experts is None:
@@ -335,6 +334,13 @@ def pack(rollout: Rollout, rows: torch.Tensor, pad_id: int):
     return ids, mask, [len(p) for p in prompts]
 
 
+def packed_inputs(ids: torch.Tensor, mask: torch.Tensor, device: str = "cpu") -> dict:
+    """Forward arguments for `pack`ed rows. They are right-padded, so causal attention alone keeps every
+    real token from seeing padding: no mask is passed, and attention takes its fused causal kernel
+    rather than the masked one, about twice as slow here, which computes the same thing."""
+    return {"input_ids": ids.to(device), "position_ids": _positions(mask).to(device)}
+
+
 @torch.no_grad()
 def plain_forward_seconds(model, rollout: Rollout, micro_batch: int, device: str = "cpu") -> float:
     """Seconds for bare forwards over the same sequences: the floor rescoring is compared against."""
@@ -344,5 +350,5 @@ def plain_forward_seconds(model, rollout: Rollout, micro_batch: int, device: str
     for first in range(0, len(rollout.prompt_ids), micro_batch):
         rows = torch.arange(first, min(first + micro_batch, len(rollout.prompt_ids)))
         ids, mask, _ = pack(rollout, rows, special_ids(model.config)[0])
-        model(input_ids=ids.to(device), attention_mask=mask.to(device))
+        model(**packed_inputs(ids, mask, device))
     return perf_counter() - start

@@ -61,7 +61,8 @@ def test_unmerged_engine_keeps_its_dtypes_and_matches_fp32_sampler(lab):
     bf16 = lora_serving.UnmergedTrainingEngine(policy, torch.bfloat16).score(out, keep_vocab=True)
     kl32 = mismatch.summary(out, fp32.logprobs, fp32.vocab)["token_kl"]
     kl16 = mismatch.summary(out, bf16.logprobs, bf16.vocab)["token_kl"]
-    assert abs(kl32) < 1e-9 and kl16 > 100 * abs(kl32)  # unmerged in fp32 is the merged policy; bf16 is not
+    # unmerged in fp32 is the merged policy, up to fp32 rounding (decode against prefill: ~1e-9); bf16 is not
+    assert abs(kl32) < 1e-8 and kl16 > 10 * abs(kl32)
 
 
 def test_headroom_and_predicted_factor():

@@ -1,10 +1,11 @@
 """The gpu profile's code, executed on the CPU: a shape, config or API error in it fails here, not on a reader's GPU.
 
-Every chapter runs through the pipeline in the gpu profile's model sizes, group sizes, LoRA ranks and
-plans, with steps, counts and lengths at a minimum (`profiles.gpu_paths_on_cpu`, switched on by
+Every chapter runs through the pipeline in the gpu profile's layer shapes, group sizes, LoRA ranks and
+plans, with depth, steps, counts and lengths at a minimum (`profiles.gpu_paths_on_cpu`, switched on by
 LAB_GPU_PATHS_ON_CPU: a test mode, not a profile readers see). Its numbers mean nothing and stay in
 a temporary folder. What only a CUDA device runs is the list below, checked against the chapters.
 """
+import dataclasses
 import json
 import re
 
@@ -54,8 +55,9 @@ def test_the_test_mode_keeps_the_gpu_sizes_on_the_cpu(monkeypatch):
     monkeypatch.setenv(profiles.GPU_PATHS_ON_CPU, "1")
     paths, gpu = profiles.resolve("gpu"), profiles.PROFILES["gpu"]
     assert (paths.name, paths.device) == ("gpu", "cpu")
-    assert (paths.dense, paths.moe, paths.grpo.lora_rank, paths.grpo.num_generations) == \
-           (gpu.dense, gpu.moe, gpu.grpo.lora_rank, gpu.grpo.num_generations)
+    assert (paths.grpo.lora_rank, paths.grpo.num_generations) == (gpu.grpo.lora_rank, gpu.grpo.num_generations)
+    for size, full in ((paths.dense, gpu.dense), (paths.moe, gpu.moe)):  # every layer's shape, fewer layers
+        assert dataclasses.replace(size, num_layers=full.num_layers) == full and size.num_layers < full.num_layers
     assert paths.warmup.steps < gpu.warmup.steps and paths.rl.steps < gpu.rl.steps
     monkeypatch.delenv(profiles.GPU_PATHS_ON_CPU)
     assert "paths" not in profiles.VALID_PROFILES  # not a profile a reader can pick
