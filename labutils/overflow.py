@@ -20,11 +20,20 @@ _recorders: list["Maxima"] = []
 def _probe_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     from transformers.models.qwen2.modeling_qwen2 import eager_attention_forward, repeat_kv
 
-    if _recorders:
-        scores = torch.matmul(query, repeat_kv(key, module.num_key_value_groups).transpose(2, 3))
-        for recorder in _recorders:
-            recorder.note(module.layer_idx, "attention_scores", scores)
-    return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if not _recorders:
+        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    # eager_attention_forward's maths, step for step (tests hold the two equal), with q·k recorded on the way
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    scores = torch.matmul(query, key_states.transpose(2, 3))
+    for recorder in _recorders:
+        recorder.note(module.layer_idx, "attention_scores", scores)
+    weights = scores * scaling
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.nn.functional.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value_states).transpose(1, 2).contiguous(), weights
 
 
 def register_probe() -> str:
@@ -51,10 +60,14 @@ class Maxima(contextlib.AbstractContextManager):
         self._hooks = []
 
     def note(self, layer: int, place: str, values: torch.Tensor) -> None:
-        finite = torch.isfinite(values)
-        self.nonfinite[place][layer] |= not bool(finite.all())
-        if finite.any():
-            self.max[place][layer] = max(self.max[place][layer], float(values[finite].abs().max()))
+        largest = values.abs().amax()  # inf or NaN (amax propagates NaN) exactly when some value is not finite
+        if not bool(torch.isfinite(largest)):
+            finite = torch.isfinite(values)
+            self.nonfinite[place][layer] = True
+            if not finite.any():
+                return
+            largest = values[finite].abs().max()
+        self.max[place][layer] = max(self.max[place][layer], float(largest))
 
     def __enter__(self):
         for i, layer in enumerate(self.layers):

@@ -89,6 +89,9 @@ def test_maxima_need_the_probe_and_record_every_place(tiny_profile, lab_cache):
     padded = tokenizer([task.Problem(3, 7, 5).prompt, task.Problem(3, 7, 1).prompt], return_tensors="pt", padding=True)
     with torch.no_grad():  # the probe computes what eager attention computes, causal and padding masks included
         assert torch.equal(probed(**padded).logits, eager(**padded).logits)
+        with overflow.Maxima(probed):  # recording too, where it runs eager's maths itself, in fp16 as in fp32
+            assert torch.equal(probed(**padded).logits, eager(**padded).logits)
+            assert torch.equal(probed.half()(**padded).logits, eager.half()(**padded).logits)
 
 
 def test_overflow_scan_finds_the_predicted_factor(tiny_profile, lab_cache):
