@@ -119,8 +119,9 @@ PROFILES = {
         grpo=GrpoPlan(steps=4, batch_size=8, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=8, prompts=256),
         mismatch=MismatchPlan(sequences=96, min_len=32, max_len=1050, micro_batch=16),
-        rl=GrpoPlan(steps=16, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
-                    min_walk=6, max_walk=14, prompts=256),
+        # 4 steps of walks 4-10 (completions of at most 83 tokens with EOS): chapter 5 runs nine of these, chapter 6 two
+        rl=GrpoPlan(steps=4, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
+                    min_walk=4, max_walk=10, prompts=256),
         sampler=SamplerPlan(dial_sequences=4, dial_length=1000, bias_prompts=16, bias_group=4, bias_batches=6,
                             bits=2, seeds=2, eval_problems=64, eval_every=4, collapse_margin=0.15,
                             long_seeds=8, long_steps=150, long_eval_problems=128),
