@@ -66,6 +66,15 @@ class MismatchPlan:
 
 
 @dataclass(frozen=True)
+class RoutingPlan:
+    """The MoE chapter's routing measurement: sequences of lengths uniform in [mismatch.min_len, max_len]."""
+
+    sequences: int
+    max_len: int  # attention cost grows with length squared; routing decisions only linearly
+    probe_sequences: int  # of them, those the RL runs' routing probe rescores after every step
+
+
+@dataclass(frozen=True)
 class SamplerPlan:
     """The sampler-precision chapter: offline dial, gradient bias, and the RL runs' evaluation."""
 
@@ -97,6 +106,7 @@ class Profile:
     task: TaskRange
     grpo: GrpoPlan  # QLoRA runs (LoRA learning rate)
     mismatch: MismatchPlan
+    routing: RoutingPlan
     rl: GrpoPlan  # full fine-tuning runs that compare engine precisions
     sampler: SamplerPlan
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
@@ -119,6 +129,7 @@ PROFILES = {
         grpo=GrpoPlan(steps=4, batch_size=8, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=8, prompts=256),
         mismatch=MismatchPlan(sequences=96, min_len=32, max_len=1050, micro_batch=16),
+        routing=RoutingPlan(sequences=56, max_len=262, probe_sequences=16),
         # 4 steps of walks 4-10 (completions of at most 83 tokens with EOS): chapter 5 runs nine of these, chapter 6 two
         rl=GrpoPlan(steps=4, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=4, max_walk=10, prompts=256),
@@ -142,6 +153,7 @@ PROFILES = {
         grpo=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=1e-3, lora_rank=16,
                       min_walk=8, max_walk=24, prompts=4096),
         mismatch=MismatchPlan(sequences=1024, min_len=64, max_len=4000, micro_batch=64),
+        routing=RoutingPlan(sequences=512, max_len=2000, probe_sequences=24),
         rl=GrpoPlan(steps=300, batch_size=64, num_generations=8, lr=1e-5, lora_rank=0,
                     min_walk=8, max_walk=24, prompts=4096),
         sampler=SamplerPlan(dial_sequences=32, dial_length=1000, bias_prompts=32, bias_group=8, bias_batches=16,
@@ -174,6 +186,7 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         sampler_rl=replace(gpu.sampler_rl, **short),
         # long enough for the 12-step walks chapters 5b and 6 sample, enough sequences for chapter 4's length buckets
         mismatch=replace(gpu.mismatch, sequences=16, min_len=32, max_len=300),
+        routing=replace(gpu.routing, sequences=32, max_len=150),
         sampler=replace(gpu.sampler, dial_sequences=2, dial_length=128, bias_prompts=2, bias_batches=3, seeds=2,
                         eval_problems=8, eval_every=1),
     )
@@ -190,6 +203,7 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         task=replace(gpu.task, eval_problems=256),
         grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
         mismatch=replace(gpu.mismatch, sequences=256),
+        routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
     )
 
