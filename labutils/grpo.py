@@ -195,7 +195,7 @@ def accelerate_precision(built) -> dict:
 
 def qlora_fix_run(profile: str, output_dir: str, compute_dtype: str, precision: dict, cast_to: str | None,
                   seed: int = 0, steps: int | None = None, model_id: str | None = None) -> dict:
-    """Build, audit and train one QLoRA precision fix; a JSON-able record, meant for `measure.in_own_process`.
+    """Build, audit and train one QLoRA precision fix; a JSON-able record, meant for `measure.forked_runs`.
 
     Records what accelerate built, the trainables as trl left them and after `cast_to`, the dtypes the
     LoRA layer computed in, the Adam state, the preflight findings for a bf16-capable GPU, cost and rewards.

@@ -56,61 +56,6 @@ def main(argv: list[str] | None = None) -> None:
         (Path(args.out) / "result.json").write_text(json.dumps(result, indent=1))
 
 
+
 if __name__ == "__main__":
     main()
-
-
-def forked_runs(target: str, jobs: list[dict], preload: tuple[str, ...] = (), timeout: float | None = None) -> list[dict]:
-    """`module:function(**job)` for each job, each in a process of its own; their JSON-able results, in order.
-
-    One fresh Python process imports `preload` and the target's module, runs nothing else, and forks
-    one child per job, one after the other. Each child starts as a fresh process would after those
-    imports (the interpreter and the libraries, nothing any other job allocated), and its peak resident
-    set (VmHWM, which Linux resets at fork) is its own; the imports are paid once instead of per job.
-    """
-    import subprocess
-    import sys
-    import tempfile
-
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    with tempfile.TemporaryDirectory() as folder:
-        spec = Path(folder) / "jobs.json"
-        spec.write_text(json.dumps({"target": target, "jobs": jobs, "preload": list(preload)}))
-        done = subprocess.run([sys.executable, "-c", "import sys; from labutils.launch import _fork_each; "
-                               "_fork_each(sys.argv[1])", folder], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{target} failed in a forked process (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        return [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
-
-
-def _fork_each(folder: str) -> None:
-    """The parent process of `forked_runs`: import, then fork and wait for one child per job."""
-    import importlib
-    import sys
-    import traceback
-
-    spec = json.loads((Path(folder) / "jobs.json").read_text())
-    for name in spec["preload"]:
-        importlib.import_module(name)
-    module, name = spec["target"].split(":")
-    function = getattr(importlib.import_module(module), name)
-    for i, job in enumerate(spec["jobs"]):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                (Path(folder) / f"{i}.json").write_text(json.dumps(function(**job)))
-            except BaseException:  # the child must never return into the parent's loop
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"job {i} of {spec['target']} failed (exit status {os.waitstatus_to_exitcode(status)}).")

@@ -1,5 +1,6 @@
 """profiles, results, measure, plots, env."""
 import json
+import os
 import time
 
 import matplotlib
@@ -97,16 +98,17 @@ def test_rss_and_the_kernels_peak_see_an_allocation():
     del blob
 
 
-def test_in_own_process_returns_the_result_and_a_fresh_peak():
+def test_forked_runs_return_each_jobs_result_and_a_fresh_peak():
     blob = bytearray(256 * 2**20)
     blob[:: 4096] = b"x" * len(blob[:: 4096])
-    # the fresh process imports the same library but never held this allocation: its peak is its own
-    assert measure.in_own_process("labutils.measure:process_peak_rss_mb") < measure.process_peak_rss_mb() - 200
+    # the forked process comes from one that imported the library but never held this allocation: its peak is its own
+    assert measure.forked_runs("labutils.measure:process_peak_rss_mb", [{}])[0] < measure.process_peak_rss_mb() - 200
     del blob
-    result = measure.in_own_process("json:loads", s="[1, 2.5]")
-    assert result == [1, 2.5]
-    with pytest.raises(RuntimeError, match="failed in its own process"):
-        measure.in_own_process("json:loads", s="not json")
+    assert measure.forked_runs("json:dumps", [{"obj": [1, 2]}, {"obj": {"a": 3}}]) == ["[1, 2]", '{"a": 3}']
+    pids = measure.forked_runs("os:getpid", [{}, {}])
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # a process of its own per job
+    with pytest.raises(RuntimeError, match="failed in a forked process"):
+        measure.forked_runs("json:loads", [{"s": "not json"}])
 
 
 def test_plots_save_next_to_results(tmp_path, monkeypatch):
