@@ -79,8 +79,8 @@ def rss_mb() -> float:
 def process_peak_rss_mb() -> float:
     """The kernel's high-water mark of this process's resident set (VmHWM), in MiB: exact, not sampled.
 
-    Not `getrusage().ru_maxrss`: Linux carries that across fork and exec, so a child started from a
-    large parent would report the parent's peak.
+    Not `getrusage().ru_maxrss`: Linux carries that across exec, so a process started from a large
+    parent would report the parent's peak.
     """
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -89,33 +89,54 @@ def process_peak_rss_mb() -> float:
     raise OSError("/proc/self/status has no VmHWM line; peak RSS is readable on Linux only.")
 
 
-def forked_runs(target: str, jobs: list[dict], preload: tuple[str, ...] = (), timeout: float | None = None) -> list[dict]:
+def forked_runs(target: str, jobs: list[dict], preload: tuple[str, ...] = (), fork: bool | None = None,
+                timeout: float = 1800.0) -> list[dict]:
     """`module:function(**job)` for each job, each in a process of its own; their JSON-able results, in order.
 
     One fresh Python process imports `preload` and the target's module, runs nothing else, and forks
-    one child per job, one after the other. Each child starts as a fresh process would after those
-    imports (the interpreter and the libraries, nothing any other job allocated), and its peak resident
-    set (VmHWM, which Linux resets at fork) is its own; the imports are paid once instead of per job.
+    one child per job, one after the other: the imports are paid once instead of per job. A child's
+    peak resident set (VmHWM, which Linux resets at fork) counts the memory it allocates, the
+    parent's pages it was forked with, and the library pages it touches itself; nothing any other job
+    allocated. Where a CUDA device is visible (`fork=None`), or with `fork=False`, every job gets a
+    fresh interpreter instead: importing bitsandbytes initialises the CUDA driver, which a forked
+    child cannot use. The whole process group is killed after `timeout` seconds.
     """
+    import signal
+
+    if fork is None:
+        fork = not torch.cuda.is_available()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as folder:
         spec = Path(folder) / "jobs.json"
-        spec.write_text(json.dumps({"target": target, "jobs": jobs, "preload": list(preload)}))
-        done = subprocess.run([sys.executable, "-c", "import sys; from labutils.measure import _fork_each; "
-                               "_fork_each(sys.argv[1])", folder], cwd=root, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{target} failed in a forked process (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        spec.write_text(json.dumps({"target": target, "jobs": jobs, "preload": list(preload), "fork": fork}))
+        runner = subprocess.Popen([sys.executable, "-c", "import sys; from labutils.measure import _fork_each; "
+                                   "_fork_each(sys.argv[1])", folder], cwd=root, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            _, stderr = runner.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(runner.pid, signal.SIGKILL)  # the runner and whichever job it is waiting for
+            runner.communicate()
+            raise RuntimeError(f"{target} ran past {timeout:.0f} s in its own process and was stopped.") from None
+        if runner.returncode != 0:
+            raise RuntimeError(f"{target} failed in its own process (exit {runner.returncode}):\n{stderr[-3000:]}")
         return [json.loads((Path(folder) / f"{i}.json").read_text()) for i in range(len(jobs))]
 
 
 def _fork_each(folder: str) -> None:
-    """The parent process of `forked_runs`: import, then fork and wait for one child per job."""
+    """The runner of `forked_runs`: import, then fork (or start a fresh interpreter) and wait, one job at a time."""
     import importlib
     import traceback
 
     spec = json.loads((Path(folder) / "jobs.json").read_text())
+    if not spec["fork"]:
+        for i in range(len(spec["jobs"])):
+            subprocess.run([sys.executable, "-c", "import sys; from labutils.measure import _one_job; "
+                            "_one_job(sys.argv[1], int(sys.argv[2]))", folder, str(i)], check=True)
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP thread team exists at the fork: a child can start its own
     for name in spec["preload"]:
         importlib.import_module(name)
     module, name = spec["target"].split(":")
@@ -127,8 +148,9 @@ def _fork_each(folder: str) -> None:
         if pid == 0:
             code = 0
             try:
+                torch.set_num_threads(threads)
                 (Path(folder) / f"{i}.json").write_text(json.dumps(function(**job)))
-            except BaseException:  # the child must never return into the parent's loop
+            except BaseException:  # the child must never return into the runner's loop
                 traceback.print_exc()
                 code = 1
             finally:
@@ -138,3 +160,13 @@ def _fork_each(folder: str) -> None:
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
             raise SystemExit(f"job {i} of {spec['target']} failed (exit status {os.waitstatus_to_exitcode(status)}).")
+
+
+def _one_job(folder: str, i: int) -> None:
+    """Job `i` of a `forked_runs` folder, in this (fresh) interpreter."""
+    import importlib
+
+    spec = json.loads((Path(folder) / "jobs.json").read_text())
+    module, name = spec["target"].split(":")
+    result = getattr(importlib.import_module(module), name)(**spec["jobs"][i])
+    (Path(folder) / f"{i}.json").write_text(json.dumps(result))

@@ -234,9 +234,9 @@ def policy_gradient(model, engine, prompts: list[list[int]], answers: list[str],
         texts = tokenizer.batch_decode(out.completions(), skip_special_tokens=True)
         grouped = torch.tensor([task.exact_match(t, a) for t, a in zip(texts, targets)]).view(-1, group)
         advantage = ((grouped - grouped.mean(-1, keepdim=True)) / (grouped.std(-1, keepdim=True) + 1e-4)).flatten()
-        ids, mask, offsets = rollout.pack(out, torch.arange(len(repeated)), engine.pad_id)
+        ids, _, offsets = rollout.pack(out, torch.arange(len(repeated)), engine.pad_id)
         device = next(model.parameters()).device
-        logits = model(**rollout.packed_inputs(ids, mask, device)).logits.float().cpu()
+        logits = model(**rollout.packed_inputs(ids, device)).logits.float().cpu()
         steps = out.completion_ids.shape[1]
         logp = torch.stack([torch.log_softmax(logits[i, o - 1:o - 1 + steps], -1)
                             .gather(-1, out.completion_ids[i].clamp(min=0)[:, None]).squeeze(-1)

@@ -275,10 +275,10 @@ class TrainingEngine:
         with replayer, recorder:  # replay first: the recorder then sees the experts actually used
             for start in range(0, batch, self.micro_batch):
                 rows = order[start:start + self.micro_batch]
-                ids, mask, offsets = pack(rollout, rows, self.pad_id)
+                ids, _, offsets = pack(rollout, rows, self.pad_id)
                 if replay:
                     replayer.plan(_replayed_routing(rollout, rows, ids.shape[1], offsets))
-                logits = self.model(**packed_inputs(ids, mask, self.device)).logits.float().cpu()
+                logits = self.model(**packed_inputs(ids, self.device)).logits.float().cpu()
                 if keep_experts:
                     chosen = torch.stack([c.view(len(rows), ids.shape[1], -1) for c in recorder.latest], dim=2).cpu()
                     if experts is None:
@@ -334,11 +334,13 @@ def pack(rollout: Rollout, rows: torch.Tensor, pad_id: int):
     return ids, mask, [len(p) for p in prompts]
 
 
-def packed_inputs(ids: torch.Tensor, mask: torch.Tensor, device: str = "cpu") -> dict:
+def packed_inputs(ids: torch.Tensor, device: str = "cpu") -> dict:
     """Forward arguments for `pack`ed rows. They are right-padded, so causal attention alone keeps every
-    real token from seeing padding: no mask is passed, and attention takes its fused causal kernel
-    rather than the masked one, about twice as slow here, which computes the same thing."""
-    return {"input_ids": ids.to(device), "position_ids": _positions(mask).to(device)}
+    real token from seeing padding, and default positions count from 0 on every row: with no mask, no
+    position ids and no cache, transformers calls attention with `is_causal=True`, its fused kernel,
+    rather than the slower masked one, which computes the same thing for every real token. (Position
+    ids that repeat over the padding would read as packed sequences and bring the mask back.)"""
+    return {"input_ids": ids.to(device), "use_cache": False}
 
 
 @torch.no_grad()
@@ -349,6 +351,6 @@ def plain_forward_seconds(model, rollout: Rollout, micro_batch: int, device: str
     start = perf_counter()
     for first in range(0, len(rollout.prompt_ids), micro_batch):
         rows = torch.arange(first, min(first + micro_batch, len(rollout.prompt_ids)))
-        ids, mask, _ = pack(rollout, rows, special_ids(model.config)[0])
-        model(**packed_inputs(ids, mask, device))
+        ids, _, _ = pack(rollout, rows, special_ids(model.config)[0])
+        model(**packed_inputs(ids, device))
     return perf_counter() - start

@@ -27,6 +27,26 @@ def test_fp32_engines_agree_and_lengths_follow_the_budget(lab):
     assert abs(mismatch.summary(out, logprobs, vocab)["token_kl"]) < 1e-7  # fp32 rounding in the log-softmax
 
 
+def test_rescoring_takes_causal_attention_without_a_mask_and_matches_the_masked_forward(lab, monkeypatch):
+    model, tokenizer = lab
+    out = rollout.InferenceEngine(model, torch.float32).sample(_prompts(tokenizer, [1, 5, 12]), torch.tensor([9, 30, 4]),
+                                                               generator=torch.Generator().manual_seed(0))
+    ids, mask, _ = rollout.pack(out, torch.arange(3), rollout.special_ids(model.config)[0])
+    calls = []
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        packed = model(**rollout.packed_inputs(ids)).logits
+        assert calls and set(calls) == {(True, True)}  # the fused causal kernel, no mask built
+        masked = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.equal(packed[mask.bool()], masked[mask.bool()])  # the same logits on every real token
+
+
 def test_bf16_engines_disagree_more_than_fp32(lab):
     model, tokenizer = lab
     prompts = _prompts(tokenizer, [3] * 8)

@@ -105,10 +105,18 @@ def test_forked_runs_return_each_jobs_result_and_a_fresh_peak():
     assert measure.forked_runs("labutils.measure:process_peak_rss_mb", [{}])[0] < measure.process_peak_rss_mb() - 200
     del blob
     assert measure.forked_runs("json:dumps", [{"obj": [1, 2]}, {"obj": {"a": 3}}]) == ["[1, 2]", '{"a": 3}']
-    pids = measure.forked_runs("os:getpid", [{}, {}])
-    assert len(set(pids)) == 2 and os.getpid() not in pids  # a process of its own per job
-    with pytest.raises(RuntimeError, match="failed in a forked process"):
-        measure.forked_runs("json:loads", [{"s": "not json"}])
+    for fork in (True, False):  # forked from one runner, or (where CUDA is visible) a fresh interpreter each
+        pids = measure.forked_runs("os:getpid", [{}, {}], fork=fork)
+        assert len(set(pids)) == 2 and os.getpid() not in pids  # a process of its own per job
+        with pytest.raises(RuntimeError, match="failed in its own process"):
+            measure.forked_runs("json:loads", [{"s": "not json"}], fork=fork)
+
+
+def test_forked_runs_stop_a_job_that_runs_too_long():
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="ran past 2 s"):
+        measure.forked_runs("subprocess:call", [{"args": ["sleep", "60"]}], timeout=2)
+    assert time.perf_counter() - start < 30
 
 
 def test_plots_save_next_to_results(tmp_path, monkeypatch):
