@@ -273,7 +273,9 @@ def paired_bias(rows: torch.Tensor, baseline: torch.Tensor) -> dict:
     numbers, from the sampler under test and from π. With d_b their difference, ‖d̄‖² overstates
     ‖E d‖² by the noise tr Cov(d)/B; subtracting it leaves an unbiased estimate of the squared bias.
     The same correction gives ‖E g_π‖², and the ratio is the squared bias relative to the gradient.
-    Its standard error is a jackknife over the batch pairs.
+    Its standard error is a jackknife over the batch pairs. Where the noise-corrected ‖E g_π‖² is not
+    positive, in all the batches or in any leave-one-out subset, the batches have not resolved π's own
+    gradient and the ratio is not reported (NaN).
     """
     def squared_mean(x):  # unbiased estimate of ‖E x‖² from rows x_b
         count = x.shape[0]
@@ -287,9 +289,12 @@ def paired_bias(rows: torch.Tensor, baseline: torch.Tensor) -> dict:
         raise ValueError("a paired bias estimate needs at least 3 batches.")
     if not bool(g.any()):  # every group's rewards were equal: no gradient, nothing to compare against
         return {"relative_bias_sq": float("nan"), "relative_bias_sq_stderr": float("nan")}
-    ratio = squared_mean(d) / squared_mean(g)
     keep = [torch.arange(count) != i for i in range(count)]
-    leave_one_out = [squared_mean(d[k]) / squared_mean(g[k]) for k in keep]
+    signal = [squared_mean(g)] + [squared_mean(g[k]) for k in keep]
+    if min(signal) <= 0:
+        return {"relative_bias_sq": float("nan"), "relative_bias_sq_stderr": float("nan")}
+    ratio = squared_mean(d) / signal[0]
+    leave_one_out = [squared_mean(d[k]) / g_k for k, g_k in zip(keep, signal[1:])]
     centre = sum(leave_one_out) / count
     stderr = ((count - 1) / count * sum((v - centre) ** 2 for v in leave_one_out)) ** 0.5
     return {"relative_bias_sq": ratio, "relative_bias_sq_stderr": stderr}

@@ -74,12 +74,18 @@ def half_ulp(values: torch.Tensor) -> torch.Tensor:
 
 
 def lost_update_counter():
-    """A TrainerCallback counting, at every optimizer step, trainable entries whose nonzero update vanished."""
+    """A TrainerCallback counting, at every optimizer step, trainable entries whose nonzero update vanished.
+
+    Beside the totals it counts, entry by entry, where the half-ulp rule and the measurement disagree:
+    `lost_not_predicted` (unchanged although |update| was at least half an ulp) and `predicted_not_lost`
+    (changed although |update| was below half an ulp).
+    """
     from transformers import TrainerCallback
 
     class LostUpdates(TrainerCallback):
         def __init__(self):
             self.meant = self.lost = self.below_half_ulp = 0
+            self.lost_not_predicted = self.predicted_not_lost = 0
             self.per_step: list[float] = []
             self._before: dict = {}
 
@@ -87,16 +93,22 @@ def lost_update_counter():
             self._before = {p: p.detach().clone() for p in model.parameters() if p.requires_grad}
 
         def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            meant = lost = small = 0
+            meant = lost = small = lost_only = small_only = 0
             for param, before in self._before.items():
                 update = adam_update(optimizer, param, before)
                 if update is None:
                     continue
                 moving = update != 0
+                unchanged = moving & (param.detach() == before)
+                below = moving & (update.abs() < half_ulp(before))
                 meant += int(moving.sum())
-                lost += int((moving & (param.detach() == before)).sum())
-                small += int((moving & (update.abs() < half_ulp(before))).sum())
+                lost += int(unchanged.sum())
+                small += int(below.sum())
+                lost_only += int((unchanged & ~below).sum())
+                small_only += int((below & ~unchanged).sum())
             self.meant, self.lost, self.below_half_ulp = self.meant + meant, self.lost + lost, self.below_half_ulp + small
+            self.lost_not_predicted += lost_only
+            self.predicted_not_lost += small_only
             self.per_step.append(lost / meant if meant else 0.0)
             self._before = {}
 

@@ -1,5 +1,6 @@
 """Every chapter executed by papermill in the cpu profile, and its results file checked."""
 import json
+import math
 import re
 
 import pytest
@@ -196,6 +197,17 @@ def test_grpo_engines_run_in_their_precisions():
     assert 0.0 <= metrics["flushed_fraction.fp16_without_scaler"] < 0.5
     assert metrics["seed_spread.seeds"] >= 3 and metrics["seed_spread.final_reward"] >= 0
     assert metrics["combo.fp16_fp16.mean_kl"] < metrics["seed_spread.mean_kl_min"]  # below every bf16/bf16 seed
+    # a run differs in reward only when its gap from bf16_bf16 exceeds bf16_bf16's own seed range
+    gaps = {k: v for k, v in metrics.items() if k.startswith("reward_gap_from_bf16_bf16.")}
+    assert len(gaps) == 6
+    assert metrics["reward_beyond_seed_spread"] == sum(abs(g) > metrics["seed_spread.final_reward"] for g in gaps.values())
+    # the KL order is called settled only when it holds and each gap exceeds the bf16_bf16 seeds' factor
+    order = {k: metrics[f"kl_order.{k}"] for k in ("ordered", "settled")}
+    order.update({k: float(metrics[f"kl_order.{k}"]) for k in ("seed_factor", "fp16_below_lowest_bf16_seed",
+                                                               "fp16_over_fp32")})  # "inf" is stored as text
+    assert order["seed_factor"] >= 1
+    assert order["settled"] == (order["ordered"] and order["fp16_below_lowest_bf16_seed"] > order["seed_factor"]
+                                and order["fp16_over_fp32"] > order["seed_factor"])
 
 
 def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
@@ -213,8 +225,12 @@ def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
     assert metrics["rl.fp32.mean_kl"] < 1e-9 < metrics[f"rl.{coarse}.mean_kl"]
     assert metrics[f"rl.{fix}.corrected_mean"] > 0 and metrics[f"rl.{coarse}.corrected_mean"] == 0
     assert metrics[f"rl.{coarse}.seeds"] == profiles.PROFILES["cpu"].sampler.seeds
-    # the paired estimate cannot see a bias where the sampler is fp32's twin, and sees the coarsest one
-    assert metrics["bias.2.relative_bias_sq"] > metrics["bias.10.relative_bias_sq"]
+    # m = 10 draws the fp32 sampler's tokens: the paired estimate sees no bias there (unless π's gradient is unresolved)
+    ten = metrics["bias.10.relative_bias_sq"]
+    assert math.isnan(ten) or abs(ten) < 1e-6
+    beyond = [m for m in ("10", "7", "5", "4", "3", "2")
+              if metrics[f"bias.{m}.relative_bias_sq"] > 2 * metrics[f"bias.{m}.relative_bias_sq_stderr"]]
+    assert metrics["bias.detected_at"] == (",".join(beyond) or "none")  # the sentence's claim is the measured one
     assert "uncorrected" in metrics["rl.verdict"]
 
 
@@ -236,6 +252,12 @@ def test_lora_loses_updates_by_adapter_dtype():
     assert metrics["lost_update_fraction.fp32"] < 1e-3 < metrics["lost_update_fraction.bf16"]
     assert metrics["lost_update_fraction.fp16_compute"] < 1e-3  # fp32 adapters under fp16 compute
     assert metrics["predicted_lost_at_1e_5.bfloat16"] > metrics["predicted_lost_at_1e_5.float16"]
+    # the half-ulp rule against the measurement, entry by entry, over the runs that did not diverge
+    rule = {k: metrics[f"rule.{k}"] for k in ("meant", "lost", "lost_not_predicted", "predicted_not_lost", "runs_checked")}
+    assert 0 < rule["runs_checked"] <= 8 and rule["meant"] > 0
+    assert 0 <= rule["lost_not_predicted"] <= rule["lost"] <= rule["meant"]
+    assert (rule["lost_not_predicted"] + rule["predicted_not_lost"]) / rule["meant"] < 1e-3  # the rule holds, nearly
+    assert isinstance(metrics["lost_minus_predicted_max"], float)  # not "nan": diverged runs are left out
     # the flush bound the chapter computes is where torch's fp16 AdamW really starts keeping v
     below = "fp16_adam_step.largest_fp16_at_or_below_the_bound"
     above = "fp16_adam_step.smallest_fp16_above_the_bound"
@@ -262,7 +284,9 @@ def test_toolkit_chapters_measure_what_they_claim():
     # most activation gradients flush without scaling; 2^16 rescues nearly all of them
     assert scaling["underflow_fraction.unscaled"] > 0.5 and scaling["underflow_fraction.scaled"] < 0.01
     high = {k: scaling[f"scaler.high_init.{k}"] for k in ("leading_skips", "first_step_scale", "skipped_steps")}
-    assert high["leading_skips"] > 0 and high["first_step_scale"] == 2.0 ** (40 - high["leading_skips"])
+    assert high["leading_skips"] > 0
+    if high["first_step_scale"] is not None:  # None: every step was skipped, and the prose says so
+        assert high["first_step_scale"] == 2.0 ** (40 - high["leading_skips"])
     # the long synthetic run is long enough for the 200 and 400 intervals to act, and they order the skips
     assert scaling["scaler.verl.growths"] >= 1 and scaling["scaler.source.growths"] > scaling["scaler.verl.growths"]
     skipped = [scaling[f"scaler.{s}.skipped_steps"] for s in ("every_5", "source", "verl", "torch_default")]

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -199,6 +201,8 @@ def test_paired_bias_is_zero_for_identical_samplers_and_finds_a_planted_shift():
     shifted = mismatch_rl.paired_bias(noisy + torch.tensor([0.0, 0.5, 0.0, 0.0]), baseline)
     assert shifted["relative_bias_sq"] == pytest.approx(0.25, abs=4 * shifted["relative_bias_sq_stderr"])
     assert shifted["relative_bias_sq"] > 3 * shifted["relative_bias_sq_stderr"]
+    pure_noise = 0.3 * torch.randn(4, 4, generator=g)  # π's gradient itself unresolved: no ratio, no division by ~0
+    assert math.isnan(mismatch_rl.paired_bias(pure_noise + 0.1, pure_noise)["relative_bias_sq"])
 
 
 def test_sweeps_run_in_a_serial_pool_on_the_lab_model(tiny_profile, lab_cache):
