@@ -123,3 +123,22 @@ class RoutingReplay:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def counts_differ(n1: int, d1: int, n2: int, d2: int) -> int:
+    """+1 if n1 flips in d1 decisions is a higher rate than n2 in d2 beyond counting noise, -1 if lower, 0 if not.
+
+    Rare events counted in many decisions vary by about the square root of their count (Poisson), so two
+    rates differ beyond noise when their gap exceeds twice its standard error, sqrt(n1/d1² + n2/d2²);
+    with d1 == d2 this is |n1 − n2| > 2·sqrt(n1 + n2).
+    """
+    if d1 <= 0 or d2 <= 0:
+        raise ValueError("each count needs a positive number of decisions.")
+    gap = n1 / d1 - n2 / d2
+    noise = 2 * (n1 / d1**2 + n2 / d2**2) ** 0.5
+    return 0 if abs(gap) <= noise else (1 if gap > 0 else -1)
+
+
+def flip_count(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """(flipped routing decisions, all routing decisions) between two engines; see `flip_rate`."""
+    return int((flipped(a, b) & mask[..., None].bool()).sum()), int(mask.sum()) * a.shape[2]
