@@ -128,7 +128,7 @@ PROFILES = {
         task=TaskRange(min_walk=1, max_walk=20, eval_problems=256),
         grpo=GrpoPlan(steps=4, batch_size=8, num_generations=4, lr=2e-3, lora_rank=8,
                       min_walk=2, max_walk=8, prompts=256),
-        mismatch=MismatchPlan(sequences=80, min_len=32, max_len=850, micro_batch=16),
+        mismatch=MismatchPlan(sequences=64, min_len=32, max_len=850, micro_batch=16),
         routing=RoutingPlan(sequences=56, max_len=262, probe_sequences=16),
         # 4 steps of walks 4-10 (completions of at most 83 tokens with EOS): chapter 5 runs nine of these, chapter 6 two
         rl=GrpoPlan(steps=4, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
