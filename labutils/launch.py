@@ -56,6 +56,5 @@ def main(argv: list[str] | None = None) -> None:
         (Path(args.out) / "result.json").write_text(json.dumps(result, indent=1))
 
 
-
 if __name__ == "__main__":
     main()

@@ -77,11 +77,10 @@ def flip_rate(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
     `a`, `b`: [batch, steps, layers, k] expert indices; `mask`: [batch, steps] real tokens.
     """
-    decisions = flipped(a, b) & mask[..., None].bool()
-    total = int(mask.sum()) * a.shape[2]
+    flips, total = flip_count(a, b, mask)
     if total == 0:
         raise ValueError("the mask selects no tokens; there are no routing decisions to compare.")
-    return int(decisions.sum()) / total
+    return flips / total
 
 
 class RoutingReplay:

@@ -186,13 +186,15 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
     models: dict = {}
     futures: dict = {}
 
-    def build_model(kind: str) -> None:
-        command = [sys.executable, "-m", "labutils.models", kind, "--profile", profile]
-        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+    def run(command: list[str], what: str) -> None:
+        done = subprocess.run([sys.executable, "-m", *command], env=env, cwd=root, capture_output=True, text=True)
         print(done.stdout, end="")
         if done.returncode:
             print(done.stderr, file=sys.stderr)
-            raise ChapterError(f"the lab's {kind} model: {_error_line(done)}")
+            raise ChapterError(f"{what}: {_error_line(done)}")
+
+    def build_model(kind: str) -> None:
+        run(["labutils.models", kind, "--profile", profile], f"the lab's {kind} model")
 
     def one(stem: str) -> None:
         if stem not in WITHOUT_MODELS:
@@ -202,13 +204,8 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
         if not force and up_to_date(stem, {"profile": resolve_profile(profile)}, build, root):
             print(f"{stem}: unchanged, not executed again")
             return
-        command = [sys.executable, "-m", "labutils.pipeline", "execute", stem, "--profile", profile,
-                   "--build", str(build), "--root", str(root)] + (["--force"] if force else [])
-        done = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
-        print(done.stdout, end="")
-        if done.returncode:
-            print(done.stderr, file=sys.stderr)
-            raise ChapterError(f"{stem}: {_error_line(done)}")
+        run(["labutils.pipeline", "execute", stem, "--profile", profile, "--build", str(build), "--root", str(root)]
+            + (["--force"] if force else []), stem)
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
