@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import filecmp
 import hashlib
 import json
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import colab, ledger, workshop
+from . import colab, ledger, warm, workshop
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "_build"
@@ -83,13 +84,16 @@ def execute(stem: str, profile: str = "auto", parameters: dict | None = None, fo
     jupytext.write(notebook, plain)
     stamp.unlink(missing_ok=True)
     os.environ["LAB_RESULTS_DIR"] = str(build / "results")
+    if os.environ.get(warm.SOCKET):  # execute_all's warm server is up: the kernel is forked from it too
+        os.environ["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(_warm_kernelspec(build / "warm" / stem)),
+                                                                   os.environ.get("JUPYTER_PATH")]))
     start, began = time.perf_counter(), time.time()
     try:
         papermill.execute_notebook(str(plain), str(executed), parameters=params, kernel_name="python3",
-                                   cwd=str(root), progress_bar=False)
+                                   cwd=str(root), progress_bar=False, request_save_on_cell_execute=False)
     except papermill.PapermillExecutionError:
         _accept_expected_errors(executed)  # re-raises unless every error is in a `raises-exception` cell
-    _check_required_errors(executed, _device(params["profile"]))
+    _check_required_errors(executed, _run_device(results_file, params["profile"]))
     _hide_machine_paths(executed, root)
     _sign_results(results_file, key, since=began - 1)
     stamp.write_text(key)
@@ -108,6 +112,9 @@ def up_to_date(stem: str, params: dict, build: Path, root: Path = ROOT) -> bool:
 
 class ChapterError(RuntimeError):
     """A chapter cell failed that was not tagged `raises-exception`."""
+
+
+FAILED = "chapters failed:"  # how the command line reports a ChapterError, on the last line
 
 
 def _accept_expected_errors(executed: Path) -> None:
@@ -145,6 +152,23 @@ def _sign_results(path: Path, key: str, since: float) -> None:
 REQUIRED = {"error-required": ("cpu", "cuda"), "error-required-cuda": ("cuda",), "error-required-cpu": ("cpu",)}
 
 
+def _warm_kernelspec(folder: Path) -> Path:
+    """A `python3` kernelspec under `folder` (for JUPYTER_PATH) that starts the kernel through labutils.warm."""
+    spec = {"argv": [sys.executable, "-m", "labutils.warm", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "Python 3", "language": "python"}
+    (folder / "kernels" / "python3").mkdir(parents=True, exist_ok=True)
+    (folder / "kernels" / "python3" / "kernel.json").write_text(json.dumps(spec))
+    return folder
+
+
+def _run_device(results_file: Path, profile: str) -> str:
+    """The device the run computed on, as its results file records it (else as `profile` resolves here)."""
+    try:
+        return json.loads(results_file.read_text())["env"]["device"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return _device(profile)
+
+
 def _device(profile: str) -> str:
     """The device a chapter computes on in `profile` here."""
     from . import profiles
@@ -167,27 +191,46 @@ WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
-                build: Path | None = None, root: Path = ROOT) -> float:
+                build: Path | None = None, root: Path = ROOT, warm_start: bool = True) -> float:
     """Execute `stems` `jobs` at a time, each in a process of its own; returns the wall seconds.
 
     For the whole book the lab's models are built first, each kind in a process of its own (beside the
     chapters that need none); then every chapter, the longest last run first. With `jobs` > 1 every process is
-    single-threaded, so two do not fight over the cores; `jobs=1` runs everything one after another
-    with torch's default threads.
+    single-threaded, so two do not fight over the cores, and (with `warm_start`) forked from a server
+    that imported the heavy libraries once (`labutils.warm`); `jobs=1` runs everything one after another
+    in fresh processes with torch's default threads.
     """
-    import concurrent.futures
-
+    start = time.perf_counter()
     build = build or root / "_build"
+    models_first = BOOK_FIRST in stems and _resolves(profile)  # the book's build: its models before its chapters
+    if not force:
+        unchanged = [s for s in stems if up_to_date(s, {"profile": resolve_profile(profile)}, build, root)]
+        for stem in unchanged:
+            print(f"{stem}: unchanged, not executed again")
+        stems = [s for s in stems if s not in unchanged]
+        if not stems:
+            return time.perf_counter() - start
     env = dict(os.environ)
     if jobs > 1:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with warm.server(env) if warm_start and jobs > 1 else contextlib.nullcontext() as socket_path:
+        if socket_path:  # every process below is forked from a server that imported the libraries once
+            env[warm.SOCKET] = socket_path
+        _execute_all(stems, profile, jobs, force, build, root, env, ["labutils.warm"] if socket_path else [],
+                     models_first)
+    return time.perf_counter() - start
+
+
+def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models_first) -> None:
+    import concurrent.futures
+
     hint = [build / "results", root / "_build" / "results"]  # a fresh build folder orders by the book's last run
     order = sorted(stems, key=lambda s: (s not in WITHOUT_MODELS, -max(_last_seconds(d / f"{s}.json") for d in hint)))
     models: dict = {}
     futures: dict = {}
 
     def run(command: list[str], what: str) -> None:
-        done = subprocess.run([sys.executable, "-m", *command], env=env, cwd=root, capture_output=True, text=True)
+        done = subprocess.run([sys.executable, "-m", *launcher, *command], env=env, cwd=root, capture_output=True, text=True)
         print(done.stdout, end="")
         if done.returncode:
             print(done.stderr, file=sys.stderr)
@@ -201,15 +244,11 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
             for kind, future in models.items():  # waits for the models; without them the chapter fails too
                 if future.exception() is not None:
                     raise ChapterError(f"{stem}: not run, the lab's {kind} model was not built")
-        if not force and up_to_date(stem, {"profile": resolve_profile(profile)}, build, root):
-            print(f"{stem}: unchanged, not executed again")
-            return
         run(["labutils.pipeline", "execute", stem, "--profile", profile, "--build", str(build), "--root", str(root)]
             + (["--force"] if force else []), stem)
 
-    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        if BOOK_FIRST in stems and _resolves(profile):  # the book's build: its models before its chapters
+        if models_first:
             from .models import KINDS
 
             models.update({kind: pool.submit(build_model, kind) for kind in KINDS})
@@ -219,7 +258,6 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
               if future.exception() is not None]
     if failed:  # every other chapter has finished: one failure does not cost the rest
         raise ChapterError("; ".join(failed))
-    return time.perf_counter() - start
 
 
 def _resolves(profile: str) -> bool:
@@ -464,8 +502,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "execute" and len(args.stems) == 1:
         execute(args.stems[0], args.profile, force=args.force, root=args.root, build=args.build)
     else:
-        seconds = execute_all(args.stems or chapters(), args.profile, jobs=args.jobs, force=args.force,
-                              build=args.build)
+        try:
+            seconds = execute_all(args.stems or chapters(), args.profile, jobs=args.jobs, force=args.force,
+                                  build=args.build)
+        except ChapterError as err:
+            sys.exit(f"{FAILED} {err}")
         print(f"executed in {seconds:.0f} s, {args.jobs} chapters at a time")
     if args.command == "book":
         print(f"book: {build_html()}/index.html")

@@ -1,4 +1,10 @@
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -26,11 +32,79 @@ def lab_cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+class WholeBook:
+    """Every chapter executed by `python -m labutils.pipeline execute`, in a process group of its own.
+
+    The session starts it once collection knows a selected test needs it, and runs the tests that do
+    last, so that the two cores execute chapters while the quick tests run beside them.
+    """
+
+    def __init__(self, args: list[str], env: dict | None = None, log: Path | None = None):
+        self.args, self.env, self.log, self.process = args, env or {}, log, None
+
+    def start(self) -> None:
+        if self.process is None:
+            self.log = self.log or Path(tempfile.mkstemp(prefix="book-", suffix=".log")[1])
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
+                env={**os.environ, **self.env}, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                start_new_session=True)
+
+    def failure(self) -> str:
+        """What failed ("" when every chapter executed)."""
+        self.start()
+        if self.process.wait():
+            lines = self.log.read_text().splitlines()
+            failed = [line for line in lines if line.startswith(pipeline.FAILED)]
+            return (failed or lines[-20:] or [f"exited with {self.process.returncode}"])[-1]
+        return ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+GPU_PATHS = Path(tempfile.mkdtemp(prefix="gpu-paths-"))
+BACKGROUND = {
+    "book_executed": WholeBook(["--profile", "cpu", "--jobs", "2"]),
+    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in a temporary folder
+    "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(GPU_PATHS)],
+                                 env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(GPU_PATHS / "cache")}),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that wait for a whole-book execution run last (a stable sort keeps their order)."""
+    items.sort(key=lambda item: bool(BACKGROUND.keys() & set(item.fixturenames)))
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    needed = {name for item in session.items for name in item.fixturenames} & BACKGROUND.keys()
+    for name in sorted(needed):
+        BACKGROUND[name].start()
+
+
+def pytest_sessionfinish(session):
+    for book in BACKGROUND.values():
+        book.stop()
+
+
 @pytest.fixture(scope="session")
 def book_executed():
     """Every chapter executed in the cpu profile (unless unchanged), two at a time; what failed, or ""."""
-    try:
-        pipeline.execute_all(pipeline.chapters(), "cpu", jobs=2)
-    except pipeline.ChapterError as err:
-        return str(err)
-    return ""
+    return BACKGROUND["book_executed"].failure()
+
+
+@pytest.fixture(scope="session")
+def gpu_paths_build():
+    """Every chapter executed in the gpu profile's code paths on the CPU: (its build folder, what failed)."""
+    return GPU_PATHS, BACKGROUND["gpu_paths_build"].failure()
+
+
+@pytest.fixture(scope="session")
+def built_book(book_executed):
+    """The HTML book, built once per session from the chapters the session executed."""
+    assert not book_executed, book_executed
+    return pipeline.build_html()

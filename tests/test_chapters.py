@@ -7,6 +7,8 @@ import pytest
 
 from labutils import mismatch_rl, pipeline, profiles
 
+pytestmark = pytest.mark.usefixtures("book_executed")  # every test here reads the executed book
+
 def metrics_of(stem: str) -> dict:
     """This build's metrics of `stem`, refused unless they were written by the current source in the cpu profile."""
     data = json.loads((pipeline.BUILD / "results" / f"{stem}.json").read_text())

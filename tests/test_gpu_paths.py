@@ -63,20 +63,6 @@ def test_the_test_mode_keeps_the_gpu_sizes_on_the_cpu(monkeypatch):
     assert "paths" not in profiles.VALID_PROFILES  # not a profile a reader can pick
 
 
-@pytest.fixture(scope="module")
-def gpu_paths_build(tmp_path_factory):
-    build = tmp_path_factory.mktemp("gpu-paths")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(profiles.GPU_PATHS_ON_CPU, "1")
-        patch.setenv("LAB_CACHE", str(build / "cache"))
-        try:
-            pipeline.execute_all(pipeline.chapters(), "gpu", jobs=2, force=True, build=build)
-            failure = ""
-        except pipeline.ChapterError as err:
-            failure = str(err)
-    return build, failure
-
-
 @pytest.mark.chapter
 @pytest.mark.parametrize("stem", pipeline.chapters())
 def test_every_chapter_runs_its_gpu_profile_code(gpu_paths_build, stem):

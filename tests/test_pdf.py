@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from labutils import pdf, pipeline
-from test_site import _built_book, _need_chromium
+from test_site import _need_chromium
 
 HIDDEN = {"remove-cell", "remove-output", "hide-output"}  # outputs that a printed page does not show
 
@@ -45,12 +45,12 @@ def _formulas(html) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def book():
+def book(built_book):
     """The printed book, opened with pypdfium2."""
     _need_chromium()
     import pypdfium2
 
-    html = _built_book()
+    html = built_book
     document = pypdfium2.PdfDocument(pdf.print_book(html))
     yield html, document
     document.close()

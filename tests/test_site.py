@@ -9,7 +9,6 @@ unless LAB_REQUIRE_BROWSER=1 (CI), where a missing browser is a failure.
 """
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
@@ -162,16 +161,9 @@ def test_the_check_catches_a_broken_page(tmp_path):
     assert "empty figure (one colour): flat.png" in text and "page error" in text
 
 
-@functools.cache
-def _built_book() -> Path:
-    """Every chapter executed (unless unchanged) and the HTML book built, once per test session."""
-    pipeline.execute_all(pipeline.chapters(), "cpu", jobs=2)  # a no-op when the chapter tests already ran them
-    return pipeline.build_html()
-
-
-def test_every_page_of_the_book_loads_cleanly_in_chromium():
+def test_every_page_of_the_book_loads_cleanly_in_chromium(built_book):
     _need_chromium()
-    html = _built_book()
+    html = built_book
     pages = _pages(html)
     assert {LANDING, "appendix/claims_ledger.html", SCREENSHOT_CHAPTER} <= set(pages), pages
     shots = pipeline.BUILD / "screenshots"
@@ -182,12 +174,11 @@ def test_every_page_of_the_book_loads_cleanly_in_chromium():
     assert (shots / "landing.png").stat().st_size > 10_000
 
 
-def test_with_a_repository_every_chapter_has_a_working_colab_button(tmp_path):
+def test_with_a_repository_every_chapter_has_a_working_colab_button(tmp_path, built_book):
     """The same book built with launch buttons (as GitHub Actions builds it): each chapter page links
     to its Colab notebook on the pages branch (written into the build where the repository is real),
     and the pages stay clean."""
     _need_chromium()
-    _built_book()
     repo = colab.repository(pipeline.ROOT) or "someone/precision-lab"
     site = tmp_path / "site"
     shutil.copytree(pipeline.SITE, site)
@@ -214,13 +205,13 @@ def _page(browser, base: str, path: str, width: int, dark: bool = False):
     return page
 
 
-def test_the_ledger_shows_each_verdict_without_horizontal_scrolling():
+def test_the_ledger_shows_each_verdict_without_horizontal_scrolling(built_book):
     """At a 1280-px window and a 390-px phone, the first claim's verdict (and the rest of its row) lies
     inside the window, and the page does not scroll sideways."""
     _need_chromium()
     from playwright.sync_api import sync_playwright
 
-    html, shots = _built_book(), pipeline.BUILD / "screenshots"
+    html, shots = built_book, pipeline.BUILD / "screenshots"
     shots.mkdir(exist_ok=True)
     first = ledger.entries(pipeline.ROOT)[0]["verdict"].split(" (")[0]
     with served(html) as base, sync_playwright() as p:
@@ -278,11 +269,11 @@ def test_the_dark_mode_check_catches_dark_text_and_unframed_figures(tmp_path):
     assert 'p "black on dark"' in bad and "figure not on a white card: plot.png" in bad, bad
 
 
-def test_in_dark_mode_text_tables_and_figures_stay_legible():
+def test_in_dark_mode_text_tables_and_figures_stay_legible(built_book):
     """Two chapters in the theme's dark mode: all text (prose, code, table cells) stands out from what is
     behind it, and every figure sits on a white card that matches the plot's own white."""
     _need_chromium()
-    html, shots = _built_book(), pipeline.BUILD / "screenshots"
+    html, shots = built_book, pipeline.BUILD / "screenshots"
     shots.mkdir(exist_ok=True)
     found = check_dark_mode(html, DARK_PAGES, shots)
     for path, seen in found.items():
