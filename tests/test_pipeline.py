@@ -1,9 +1,10 @@
 """The pipeline's own rules, on a two-cell chapter in a scratch project (a few seconds of papermill)."""
 import json
+import os
 
 import pytest
 
-from labutils import pipeline
+from labutils import pipeline, warm
 
 CHAPTER = """---
 jupytext:
@@ -46,6 +47,26 @@ def _project(tmp_path, tags="raises-exception, error-required", body="raise Valu
     (tmp_path / "_toc.yml").write_text("root: intro\nchapters:\n  - file: chapters/zz_tiny\n")
     (tmp_path / "chapters" / "zz_tiny.md").write_text(CHAPTER.format(tags=tags, body=body))
     return tmp_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_kernels():
+    """Kernels forked from a warm server that imported torch, as `execute_all` starts them."""
+    with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("torch",)) as path:
+        assert path, "the warm server refused to serve"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(warm.SOCKET, path)
+            yield
+
+
+def test_the_kernel_is_forked_from_the_warm_server(tmp_path, monkeypatch):
+    body = "import sys\nvalue = 'torch' in sys.modules  # imported by nothing this kernel ran so far"
+    root = _project(tmp_path, tags="hide-output", body=body)
+    pipeline.execute("zz_tiny", "cpu", root=root)
+    assert json.loads((root / "_build" / "results" / "zz_tiny.json").read_text())["metrics"]["value"] is True
+    monkeypatch.delenv(warm.SOCKET)
+    pipeline.execute("zz_tiny", "cpu", root=root, force=True)  # without a server: a fresh kernel
+    assert json.loads((root / "_build" / "results" / "zz_tiny.json").read_text())["metrics"]["value"] is False
 
 
 @pytest.fixture(autouse=True)
