@@ -186,6 +186,7 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
     return root / "_build" / "runs" / checked(participant)
 
 
+LAST_RUN = {"warm": False}  # whether execute_all's last run forked its processes from a warm server
 BOOK_FIRST = "00_lab"  # the book starts here
 WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
 
@@ -216,6 +217,7 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
     with warm.server(env) if warm_start and jobs > 1 else contextlib.nullcontext() as socket_path:
         if socket_path:  # every process below is forked from a server that imported the libraries once
             env[warm.SOCKET] = socket_path
+        LAST_RUN["warm"] = bool(socket_path)
         _execute_all(stems, profile, jobs, force, build, root, env, ["labutils.warm"] if socket_path else [],
                      models_first)
     return time.perf_counter() - start
@@ -453,12 +455,13 @@ def compare(jobs: int = 2, root: Path = ROOT) -> float:
             os.environ["LAB_CACHE"] = f"{scratch}/concurrent-cache"
             concurrent = execute_all(stems, "cpu", jobs=jobs, force=True, build=Path(scratch) / "concurrent",
                                      root=root)
+            how = "from the warm server" if LAST_RUN["warm"] else "in fresh processes (no warm server)"
     finally:
         os.environ.pop("LAB_CACHE", None)
         if cache is not None:
             os.environ["LAB_CACHE"] = cache
-    print(f"whole book, cpu profile: serial in fresh processes {serial:.0f} s, {jobs} at a time from the warm "
-          f"server {concurrent:.0f} s: {serial / concurrent:.2f}x faster")
+    print(f"whole book, cpu profile: serial in fresh processes {serial:.0f} s, {jobs} at a time {how} "
+          f"{concurrent:.0f} s: {serial / concurrent:.2f}x faster")
     return serial / concurrent
 
 

@@ -87,6 +87,13 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(-1)
 
+    def first(self, n: int) -> "Rollout":
+        """The first `n` rows, with everything recorded about them."""
+        cut = (lambda t: None if t is None else t[:n])
+        return Rollout(self.prompt_ids[:n], self.completion_ids[:n], self.mask[:n], self.logprobs[:n],
+                       cut(self.vocab_logprobs), cut(self.experts), cut(self.prompt_experts), cut(self.min_new_tokens),
+                       self.seconds)
+
     def completions(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.completion_ids, self.lengths)]
 

@@ -5,13 +5,15 @@ model classes, trl, peft and bitsandbytes before it computes anything, and build
 dozens of them: a pipeline process and a kernel per chapter, a process per lab model. `serve` imports
 those libraries once and forks a child per request. `python -m labutils.warm MODULE ARGS…` asks it:
 the child runs the module with the asker's arguments, working directory, environment and standard
-streams; the asker passes signals on, and exits with the child's status. Where no server answers
-(LAB_WARM unset, or the server gone), it runs the module itself, as `python -m` would.
+streams; the asker passes signals on, exits with the child's status, and takes the child down if
+its own parent dies. Where no server answers (LAB_WARM unset, or the server gone), it runs the
+module itself, as `python -m` would.
 
-Forking is only safe from a process with one thread and no CUDA driver state, so the server imports
-nothing of the lab's own (whose modules read the environment) and refuses to serve where torch sees
-a GPU or an import left a thread running. Like a spawned process, each child seeds Python's random
-module afresh; torch's default generator starts from its usual fixed seed, as in a fresh process.
+Forking is only safe from a process with one thread and no CUDA driver state, so the server refuses
+to serve where torch sees a GPU or an import left a thread running, and it imports none of the lab's
+chapter code (only the package's light `__init__`). A child is not a fresh interpreter in every
+respect: it shares the server's hash seed and the global random states the imports left (the
+chapters seed their own generators), and its memory counts the preloaded libraries' pages.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SOCKET = "LAB_WARM"  # the environment variable naming the server's socket
@@ -92,8 +95,26 @@ def _preload(libraries) -> list[str]:
     return problems
 
 
+class _Become(BaseException):
+    """Raised in a forked child once its module has run: unwinds the server's loop, then exits normally."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def serve(path: str, libraries=LIBRARIES) -> None:
-    """Import `libraries`, then fork a child per request on the Unix socket `path` until the parent exits."""
+    """Import `libraries`, then fork a child per request on the Unix socket `path` until the parent exits
+    or SIGTERM arrives; the children still running then are killed."""
+    try:
+        _serve(path, libraries)
+    except _Become as child:  # in a child: the interpreter's own exit (threads joined, atexit, flushing)
+        sys.exit(child.code)
+
+
+def _serve(path: str, libraries) -> None:
+    import select
+
     problems = _preload(libraries)
     if problems:
         print(f"refused: {'; '.join(problems)}", flush=True)
@@ -101,52 +122,77 @@ def serve(path: str, libraries=LIBRARIES) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    parent, children, owners = os.getppid(), {}, {}  # child pid -> its asker's connection, and back
+    me, parent, children, owners = os.getpid(), os.getppid(), {}, {}  # child pid -> asker's connection, and back
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print("ready", flush=True)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe after this line
-    import select
-
-    while os.getppid() == parent:
-        readable, _, _ = select.select([listener, *owners], [], [], 0.05)
-        for sock in readable:
-            if sock is listener:
-                conn, _ = listener.accept()
-                request, fds = _receive(conn, fds=3)
-                if request is None or len(fds) != 3:
-                    conn.close()
+    try:
+        while os.getppid() == parent:
+            readable, _, _ = select.select([listener, *owners], [], [], 0.05)
+            for sock in readable:
+                if sock is listener:
+                    _start_child(listener, owners, children)
                     continue
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
+                try:
+                    gone = not sock.recv(64)
+                except OSError:
+                    gone = True
+                if gone:  # the asker was killed: its child and whatever that started go too
+                    _kill_group(owners.pop(sock))
+            while children:
+                pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
-                    listener.close()
-                    for other in owners:
-                        other.close()
-                    _child(conn, request, fds)  # never returns
-                for fd in fds:
-                    os.close(fd)
-                children[pid], owners[conn] = conn, pid
-                _send(conn, {"pid": pid})
-            elif not sock.recv(64):  # the asker is gone (killed): its child and the child's own go too
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(owners[sock], signal.SIGKILL)
-                del owners[sock]
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            conn = children.pop(pid)
-            if conn in owners:
-                del owners[conn]
-                with contextlib.suppress(OSError):
-                    _send(conn, {"status": os.waitstatus_to_exitcode(status)})
-            conn.close()
+                    break
+                conn = children.pop(pid)
+                if owners.pop(conn, None) is not None:
+                    with contextlib.suppress(OSError):
+                        _send(conn, {"status": os.waitstatus_to_exitcode(status)})
+                conn.close()
+    finally:
+        if os.getpid() == me:
+            for pid in children:
+                _kill_group(pid)
+
+
+def _start_child(listener: socket.socket, owners: dict, children: dict) -> None:
+    """Accept one request and fork its child; a request that breaks off costs nothing but itself."""
+    try:
+        conn, _ = listener.accept()
+        request, fds = _receive(conn, fds=3)
+    except (OSError, ValueError):
+        return
+    if request is None or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in owners:
+            other.close()
+        _child(conn, request, fds)  # raises _Become
+    for fd in fds:
+        os.close(fd)
+    children[pid] = conn
+    try:
+        _send(conn, {"pid": pid})
+        owners[conn] = pid
+    except OSError:  # the asker is already gone
+        _kill_group(pid)
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group a child leads (the child alone, if it has not made its group yet)."""
+    for kill in (os.killpg, os.kill):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(pid, signal.SIGKILL)
 
 
 def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
-    """Become `python -m MODULE ARGS…` in the asker's directory, environment and streams, then exit."""
-    import atexit
-    import random
+    """Become `python -m MODULE ARGS…` in the asker's directory, environment and streams."""
     import runpy
     import traceback
 
@@ -165,7 +211,6 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
         os.environ.update(request["env"])
         sys.path[0] = request["cwd"]
         sys.argv = [request["module"], *request["args"]]
-        random.seed()
         if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
@@ -175,39 +220,53 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
             code = done.code or 0
         else:
             print(done.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = 128 + signal.SIGINT
     except BaseException:
         traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    raise _Become(code)
 
 
 @contextlib.contextmanager
-def server(env: dict, libraries=LIBRARIES):
-    """A warm server for the duration of the block: yields its socket path, or None where it refused.
+def server(env: dict, libraries=LIBRARIES, timeout: float = 300.0):
+    """A warm server for the duration of the block: yields its socket path, or None where it refused
+    (the reason goes to stderr) or did not start within `timeout` seconds.
 
     `env` is the environment the server imports under; the children it forks should share it."""
+    import select
+
     with tempfile.TemporaryDirectory(prefix="warm-") as folder:
         path = str(Path(folder) / "socket")
         process = subprocess.Popen([sys.executable, "-c", f"from labutils.warm import serve; serve({path!r}, {tuple(libraries)!r})"],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    start_new_session=True)
+        answer, deadline = "", time.monotonic() + timeout
         try:
-            first = process.stdout.readline().strip()
-            yield path if first == "ready" else None
+            while answer not in ("ready",) and not answer.startswith("refused") and time.monotonic() < deadline:
+                if select.select([process.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    line = process.stdout.readline()
+                    if not line:
+                        break
+                    answer = line.strip()
+            if answer != "ready":
+                print(f"no warm server ({answer or 'it did not start'}): fresh processes instead", file=sys.stderr)
+            yield path if answer == "ready" else None
         finally:
-            process.kill()
-            process.wait()
+            process.terminate()  # the server kills the children still running
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 # --- the asker ------------------------------------------------------------------------------------
 
 def run(module: str, args: list[str]) -> int:
     """`python -m module args…` in a warm child where a server answers, else in this process."""
+    import select
+
     path = os.environ.get(SOCKET)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -216,19 +275,26 @@ def run(module: str, args: list[str]) -> int:
         sock.connect(path)
         _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2])
         started, _ = _receive(sock)
-    except OSError:
+    except (OSError, ValueError):
         started = None
     if started is None:  # no server: this process becomes the module
         sock.close()
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
-    child = started["pid"]
+    child, parent = started["pid"], os.getppid()
 
     def forward(sig, _frame):
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(child, sig)
+            try:
+                os.killpg(child, sig)
+            except ProcessLookupError:  # the child has not made its own group yet
+                os.kill(child, sig)
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    while not select.select([sock], [], [], 1.0)[0]:
+        if os.getppid() != parent:  # whoever started this is gone (a kernel's chapter process killed)
+            _kill_group(child)
+            return 1
     done, _ = _receive(sock)
     if done is None:
         return 1

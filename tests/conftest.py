@@ -1,9 +1,11 @@
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,24 +37,36 @@ def lab_cache(tmp_path, monkeypatch):
 class WholeBook:
     """Every chapter executed by `python -m labutils.pipeline execute`, in a process group of its own.
 
-    The session starts it once collection knows a selected test needs it, and runs the tests that do
-    last, so that the two cores execute chapters while the quick tests run beside them.
+    The session starts it once it knows a selected test needs it, and runs the tests that do last, so
+    that the chapters execute while the quick tests run beside them. `after`: another execution
+    this one waits for, so that no more than two chapters run at a time.
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, log: Path | None = None):
-        self.args, self.env, self.log, self.process = args, env or {}, log, None
+    def __init__(self, args: list[str], env: dict | None = None, after: "WholeBook | None" = None):
+        self.args, self.env, self.after = args, env or {}, after
+        self.process = self.log = self.starter = None
 
     def start(self) -> None:
-        if self.process is None:
-            self.log = self.log or Path(tempfile.mkstemp(prefix="book-", suffix=".log")[1])
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
-                env={**os.environ, **self.env}, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
-                start_new_session=True)
+        SCRATCH.mkdir(exist_ok=True)
+
+        def launch():
+            if self.after is not None and self.after.starter is not None:
+                self.after.starter.join()
+                self.after.process.wait()
+            with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
+                self.log = Path(log.name)
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
+                    env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        self.starter = threading.Thread(target=launch, daemon=True)
+        self.starter.start()
 
     def failure(self) -> str:
         """What failed ("" when every chapter executed)."""
-        self.start()
+        if self.starter is None:
+            self.start()
+        self.starter.join()
         if self.process.wait():
             lines = self.log.read_text().splitlines()
             failed = [line for line in lines if line.startswith(pipeline.FAILED)]
@@ -64,12 +78,14 @@ class WholeBook:
             os.killpg(self.process.pid, signal.SIGKILL)
 
 
-GPU_PATHS = Path(tempfile.mkdtemp(prefix="gpu-paths-"))
+SCRATCH = Path(tempfile.gettempdir()) / f"precision-lab-tests-{os.getpid()}"  # logs and the gpu-paths build
+BOOK = WholeBook(["--profile", "cpu", "--jobs", "2"])
 BACKGROUND = {
-    "book_executed": WholeBook(["--profile", "cpu", "--jobs", "2"]),
-    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in a temporary folder
-    "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(GPU_PATHS)],
-                                 env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(GPU_PATHS / "cache")}),
+    "book_executed": BOOK,
+    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder
+    "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(SCRATCH / "gpu-paths")],
+                                 env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(SCRATCH / "gpu-paths" / "cache")},
+                                 after=BOOK),
 }
 
 
@@ -78,17 +94,22 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: bool(BACKGROUND.keys() & set(item.fixturenames)))
 
 
-def pytest_collection_finish(session):
-    if session.config.option.collectonly:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Start the executions the selected tests need (not for --collect-only or --setup-plan, nor in an xdist worker)."""
+    option = session.config.option
+    if option.collectonly or getattr(option, "setupplan", False) or hasattr(session.config, "workerinput"):
         return
     needed = {name for item in session.items for name in item.fixturenames} & BACKGROUND.keys()
-    for name in sorted(needed):
-        BACKGROUND[name].start()
+    for name in ("book_executed", "gpu_paths_build"):  # the book first: the gpu-paths run waits for it
+        if name in needed:
+            BACKGROUND[name].start()
 
 
 def pytest_sessionfinish(session):
     for book in BACKGROUND.values():
         book.stop()
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +121,7 @@ def book_executed():
 @pytest.fixture(scope="session")
 def gpu_paths_build():
     """Every chapter executed in the gpu profile's code paths on the CPU: (its build folder, what failed)."""
-    return GPU_PATHS, BACKGROUND["gpu_paths_build"].failure()
+    return SCRATCH / "gpu-paths", BACKGROUND["gpu_paths_build"].failure()
 
 
 @pytest.fixture(scope="session")

@@ -110,3 +110,23 @@ def _alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_a_request_that_breaks_off_does_not_stop_the_server_and_its_end_takes_the_children(probe):
+    import socket
+
+    with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("fractions",)) as path:
+        for _ in range(3):  # connect and hang up, with and without half a request
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            sock.close()
+        out, _ = _ask(probe, "a", socket_path=path).communicate(timeout=60)
+        assert out.startswith("preloaded")
+        asked = _ask(probe, "wait", socket_path=path)
+        _wait_for(probe / "started")
+        child = _child_of(path, probe)
+    deadline = time.time() + 10  # the block has ended: the server went, and took its running child along
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    asked.wait(timeout=30)
