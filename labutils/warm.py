@@ -10,8 +10,8 @@ its own parent dies. Where no server answers (LAB_WARM unset, or the server gone
 module itself, as `python -m` would.
 
 Forking is only safe from a process with one thread and no CUDA driver state, so the server refuses
-to serve where torch sees a GPU or an import left a thread running, and it imports none of the lab's
-chapter code (only the package's light `__init__`). A child is not a fresh interpreter in every
+to serve off Linux, where torch sees a GPU, or where an import left a thread running; and it imports
+none of the lab's chapter code (only the package's light `__init__`). A child is not a fresh interpreter in every
 respect: it shares the server's hash seed and the global random states the imports left (the
 chapters seed their own generators), and its memory counts the preloaded libraries' pages.
 """
@@ -82,7 +82,7 @@ def _preload(libraries) -> list[str]:
                 getattr(loaded, name)
         except Exception:  # an optional library missing or broken: its users import it themselves
             continue
-    problems = []
+    problems = [] if sys.platform == "linux" else [f"on {sys.platform} the system libraries' fork safety is not checked"]
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_available():
         problems.append("torch sees a CUDA GPU: a forked child could not use it")
     tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
