@@ -268,32 +268,41 @@ def run(module: str, args: list[str]) -> int:
     import select
 
     path = os.environ.get(SOCKET)
+    if not path:
+        os.execv(sys.executable, [sys.executable, "-m", module, *args])
+    child, pending, parent = [], [], os.getppid()
+
+    def forward(sig, _frame):  # to the child once its pid is known; until then, kept for it
+        if not child:
+            pending.append(sig)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            try:
+                os.killpg(child[0], sig)
+            except ProcessLookupError:  # the child has not made its own group yet
+                os.kill(child[0], sig)
+
+    before = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        if not path:
-            raise OSError
         sock.connect(path)
         _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2])
         started, _ = _receive(sock)
     except (OSError, ValueError):
         started = None
-    if started is None:  # no server: this process becomes the module
+    if started is None:  # no server: this process becomes the module, with the signals it has had
         sock.close()
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for sig in pending:
+            os.kill(os.getpid(), sig)
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
-    child, parent = started["pid"], os.getppid()
-
-    def forward(sig, _frame):
-        with contextlib.suppress(ProcessLookupError):
-            try:
-                os.killpg(child, sig)
-            except ProcessLookupError:  # the child has not made its own group yet
-                os.kill(child, sig)
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    child.append(started["pid"])
+    for sig in pending:
+        forward(sig, None)
     while not select.select([sock], [], [], 1.0)[0]:
         if os.getppid() != parent:  # whoever started this is gone (a kernel's chapter process killed)
-            _kill_group(child)
+            _kill_group(child[0])
             return 1
     done, _ = _receive(sock)
     if done is None:

@@ -15,8 +15,8 @@ PROBE = """
 import os, sys, time
 print("preloaded" if "fractions" in sys.modules else "fresh", os.getcwd(), os.environ.get("ASKED"), sys.argv[1:])
 if sys.argv[1:] == ["wait"]:
-    open("started", "w").close()
     try:
+        open("started", "w").close()
         time.sleep(60)
     except KeyboardInterrupt:
         sys.exit(7)
