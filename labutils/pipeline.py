@@ -189,7 +189,6 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
 LAST_RUN = {"warm": False}  # whether execute_all's last run forked its processes from a warm server
 BOOK_FIRST = "00_lab"  # the book starts here
 WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
-WITH_MOE = ("00_lab", "06_moe")  # load the MoE model as well; every other chapter loads only the dense one
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
@@ -244,9 +243,7 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
 
     def one(stem: str) -> None:
         if stem not in WITHOUT_MODELS:
-            for kind, future in models.items():  # waits for its models; without them the chapter fails too
-                if kind != "dense" and stem not in WITH_MOE:
-                    continue
+            for kind, future in models.items():  # waits for the models; without them the chapter fails too
                 if future.exception() is not None:
                     raise ChapterError(f"{stem}: not run, the lab's {kind} model was not built")
         run(["labutils.pipeline", "execute", stem, "--profile", profile, "--build", str(build), "--root", str(root)]
