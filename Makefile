@@ -23,8 +23,13 @@ $(STAMP): pyproject.toml Makefile
 	  else $(PYTHON) -m venv $(VENV); fi; \
 	fi
 	@$(PY) -c "import torch" 2>/dev/null || \
-	  $(PY) -m pip install --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
-	$(PY) -m pip install -e ".[test]"
+	  $(PY) -m pip install --no-compile --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
+	@# pip byte-compiles on one core: compile on every core instead, torch's files while pip installs the
+	@# rest (-qq: like pip, pass over the few sources that are not Python 3.11, such as a torch test file)
+	@site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	{ $(PY) -m compileall -qq -j 0 "$$site/torch" || true; } & \
+	$(PY) -m pip install --no-compile -e ".[test]" || { wait; exit 1; }; \
+	wait; echo "byte-compiling $$site on every core"; $(PY) -m compileall -qq -j 0 "$$site" || true
 	@touch $(STAMP)
 
 chapters: $(STAMP)
