@@ -314,15 +314,20 @@ def workers(count: int):
     """A pool of `count` processes of one torch thread each (or this process, for 1) for the runs below.
 
     Every job is seeded on its own, so results do not depend on how the jobs were shared out. Each
-    process loads the model once and keeps it.
+    process loads the model once and keeps it. The workers fork from a server that imported what a run
+    uses (`labutils.run_imports`) once, where the platform has one.
     """
     if count <= 1:
         return _Serial()
     import concurrent.futures
     import multiprocessing
 
-    return concurrent.futures.ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"),
-                                                  initializer=_start_worker)
+    if "forkserver" in multiprocessing.get_all_start_methods():  # one fresh process imports, the workers fork from it
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["labutils.run_imports"])
+    else:
+        context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(count, mp_context=context, initializer=_start_worker)
 
 
 def _start_worker() -> None:

@@ -90,8 +90,9 @@ BACKGROUND = {
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests that wait for a whole-book execution run last (a stable sort keeps their order)."""
-    items.sort(key=lambda item: bool(BACKGROUND.keys() & set(item.fixturenames)))
+    """Tests that wait for a whole-book execution run last, those that need only the book before those that
+    need the gpu-paths run, so that the site and PDF build beside it (a stable sort keeps their order)."""
+    items.sort(key=lambda item: [name in item.fixturenames for name in ("gpu_paths_build", "book_executed")])
 
 
 @pytest.hookimpl(tryfirst=True)
