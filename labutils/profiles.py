@@ -110,6 +110,7 @@ class Profile:
     rl: GrpoPlan  # full fine-tuning runs that compare engine precisions
     sampler: SamplerPlan
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
+    scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
 
 
@@ -138,6 +139,7 @@ PROFILES = {
                             long_seeds=8, long_steps=150, long_eval_problems=128),
         sampler_rl=GrpoPlan(steps=6, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
+        scaler_steps=30,
     ),
     "gpu": Profile(
         name="gpu",
@@ -161,6 +163,7 @@ PROFILES = {
                             long_seeds=8, long_steps=2000, long_eval_problems=1024),
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
+        scaler_steps=400,
     ),
 }
 
@@ -189,6 +192,7 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         routing=replace(gpu.routing, sequences=32, max_len=150),
         sampler=replace(gpu.sampler, dial_sequences=2, dial_length=128, bias_prompts=2, bias_batches=3, seeds=2,
                         eval_problems=8, eval_every=1),
+        scaler_steps=2,
     )
 
 

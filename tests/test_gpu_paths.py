@@ -20,7 +20,6 @@ CUDA_ONLY = {
     ("02_qlora_crash", 'for device in ["cpu"] + (["cuda"] if DEVICE == "cuda" else []):'),
     ("02_qlora_crash", '"fp16_fp32_trainables": dict(compute_dtype="float16" if DEVICE == "cuda" else "float32",'),
     ("02_qlora_crash", 'if DEVICE == "cuda":  # what the caching allocator held, beside what tensors used'),
-    ("03_loss_scaling", 'STEPS = steps or (400 if P.device == "cuda" else 30)'),
     ("09_fp8", 'capability = torch.cuda.get_device_capability() if DEVICE == "cuda" else None'),
     ("09_fp8", 'if DEVICE == "cuda":'),
     ("09_fp8", 'run.record(matmul={"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",'),
