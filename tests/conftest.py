@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -38,35 +37,27 @@ class WholeBook:
     """Every chapter executed by `python -m labutils.pipeline execute`, in a process group of its own.
 
     The session starts it once it knows a selected test needs it, and runs the tests that do last, so
-    that the chapters execute while the quick tests run beside them. `after`: another execution
-    this one waits for, so that no more than two chapters run at a time.
+    that the chapters execute while the quick tests run beside them. `nice`: its CPU priority (19, the
+    lowest: it runs on what the others leave idle).
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, after: "WholeBook | None" = None):
-        self.args, self.env, self.after = args, env or {}, after
-        self.process = self.log = self.starter = None
+    def __init__(self, args: list[str], env: dict | None = None, nice: int = 0):
+        self.args, self.env, self.nice = args, env or {}, nice
+        self.process = self.log = None
 
     def start(self) -> None:
         SCRATCH.mkdir(exist_ok=True)
-
-        def launch():
-            if self.after is not None and self.after.starter is not None:
-                self.after.starter.join()
-                self.after.process.wait()
-            with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
-                self.log = Path(log.name)
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
-                    env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        self.starter = threading.Thread(target=launch, daemon=True)
-        self.starter.start()
+        nice = ["nice", "-n", str(self.nice)] if self.nice and shutil.which("nice") else []
+        with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
+            self.log = Path(log.name)
+            self.process = subprocess.Popen(
+                [*nice, sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
+                env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def failure(self) -> str:
         """What failed ("" when every chapter executed)."""
-        if self.starter is None:
+        if self.process is None:
             self.start()
-        self.starter.join()
         if self.process.wait():
             lines = self.log.read_text().splitlines()
             failed = [line for line in lines if line.startswith(pipeline.FAILED)]
@@ -79,13 +70,13 @@ class WholeBook:
 
 
 SCRATCH = Path(tempfile.gettempdir()) / f"precision-lab-tests-{os.getpid()}"  # logs and the gpu-paths build
-BOOK = WholeBook(["--profile", "cpu", "--jobs", "2"])
 BACKGROUND = {
-    "book_executed": BOOK,
-    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder
+    "book_executed": WholeBook(["--profile", "cpu", "--jobs", "2"]),
+    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder. It
+    # starts with the book, at the lowest priority: it takes the cores whenever the book and the tests leave one idle
     "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(SCRATCH / "gpu-paths")],
                                  env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(SCRATCH / "gpu-paths" / "cache")},
-                                 after=BOOK),
+                                 nice=19),
 }
 
 
@@ -102,7 +93,7 @@ def pytest_runtestloop(session):
     if option.collectonly or getattr(option, "setupplan", False) or hasattr(session.config, "workerinput"):
         return
     needed = {name for item in session.items for name in item.fixturenames} & BACKGROUND.keys()
-    for name in ("book_executed", "gpu_paths_build"):  # the book first: the gpu-paths run waits for it
+    for name in ("book_executed", "gpu_paths_build"):
         if name in needed:
             BACKGROUND[name].start()
 
