@@ -53,6 +53,11 @@ class WholeBook:
             self.process = subprocess.Popen(
                 [*nice, sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
                 env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if self.nice:  # where Linux groups the scheduling by session (autogroup), a new session's nice is its group's
+            try:
+                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(self.nice))
+            except OSError:
+                pass
 
     def failure(self) -> str:
         """What failed ("" when every chapter executed)."""
