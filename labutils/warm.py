@@ -200,6 +200,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     try:
         conn.close()
         os.setsid()  # a process group of its own: signals and a kill reach what it starts too
+        _take_priority(request.get("priority", {}))
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -226,6 +227,23 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     raise _Become(code)
+
+
+def _priority() -> dict:
+    """This process's CPU priority: its nice, and (Linux autogroup) the nice of its session's group."""
+    found = {"nice": os.getpriority(os.PRIO_PROCESS, 0)}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        found["group_nice"] = int(Path("/proc/self/autogroup").read_text().split()[-1])
+    return found
+
+
+def _take_priority(priority: dict) -> None:
+    """Run at the asker's priority, as its own child would: its nice, and, having left its session for one of
+    its own, its session's group nice (Linux shares the CPU between those groups before it looks at a nice)."""
+    with contextlib.suppress(OSError, KeyError):
+        os.setpriority(os.PRIO_PROCESS, 0, priority["nice"])
+    with contextlib.suppress(OSError, KeyError):
+        Path("/proc/self/autogroup").write_text(str(priority["group_nice"]))
 
 
 @contextlib.contextmanager
@@ -286,7 +304,8 @@ def run(module: str, args: list[str]) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(path)
-        _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}, [0, 1, 2])
+        _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
+                     "priority": _priority()}, [0, 1, 2])
         started, _ = _receive(sock)
     except (OSError, ValueError):
         started = None
