@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -37,32 +38,35 @@ class WholeBook:
     """Every chapter executed by `python -m labutils.pipeline execute`, in a process group of its own.
 
     The session starts it once it knows a selected test needs it, and runs the tests that do last, so
-    that the chapters execute while the quick tests run beside them. `nice`: its CPU priority (19, the
-    lowest: it runs on what the others leave idle).
+    that the chapters execute while the quick tests run beside them. `after`: another execution
+    this one waits for, so that no more than two chapters run at a time.
     """
 
-    def __init__(self, args: list[str], env: dict | None = None, nice: int = 0):
-        self.args, self.env, self.nice = args, env or {}, nice
-        self.process = self.log = None
+    def __init__(self, args: list[str], env: dict | None = None, after: "WholeBook | None" = None):
+        self.args, self.env, self.after = args, env or {}, after
+        self.process = self.log = self.starter = None
 
     def start(self) -> None:
         SCRATCH.mkdir(exist_ok=True)
-        nice = ["nice", "-n", str(self.nice)] if self.nice and shutil.which("nice") else []
-        with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
-            self.log = Path(log.name)
-            self.process = subprocess.Popen(
-                [*nice, sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
-                env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        if self.nice:  # where Linux groups the scheduling by session (autogroup), a new session's nice is its group's
-            try:
-                Path(f"/proc/{self.process.pid}/autogroup").write_text(str(self.nice))
-            except OSError:
-                pass
+
+        def launch():
+            if self.after is not None and self.after.starter is not None:
+                self.after.starter.join()
+                self.after.process.wait()
+            with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
+                self.log = Path(log.name)
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
+                    env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        self.starter = threading.Thread(target=launch, daemon=True)
+        self.starter.start()
 
     def failure(self) -> str:
         """What failed ("" when every chapter executed)."""
-        if self.process is None:
+        if self.starter is None:
             self.start()
+        self.starter.join()
         if self.process.wait():
             lines = self.log.read_text().splitlines()
             failed = [line for line in lines if line.startswith(pipeline.FAILED)]
@@ -75,13 +79,13 @@ class WholeBook:
 
 
 SCRATCH = Path(tempfile.gettempdir()) / f"precision-lab-tests-{os.getpid()}"  # logs and the gpu-paths build
+BOOK = WholeBook(["--profile", "cpu", "--jobs", "2"])
 BACKGROUND = {
-    "book_executed": WholeBook(["--profile", "cpu", "--jobs", "2"]),
-    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder. It
-    # starts with the book, at the lowest priority: it takes the cores whenever the book and the tests leave one idle
+    "book_executed": BOOK,
+    # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder
     "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(SCRATCH / "gpu-paths")],
                                  env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(SCRATCH / "gpu-paths" / "cache")},
-                                 nice=19),
+                                 after=BOOK),
 }
 
 
@@ -98,7 +102,7 @@ def pytest_runtestloop(session):
     if option.collectonly or getattr(option, "setupplan", False) or hasattr(session.config, "workerinput"):
         return
     needed = {name for item in session.items for name in item.fixturenames} & BACKGROUND.keys()
-    for name in ("book_executed", "gpu_paths_build"):
+    for name in ("book_executed", "gpu_paths_build"):  # the book first: the gpu-paths run waits for it
         if name in needed:
             BACKGROUND[name].start()
 
