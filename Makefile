@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || \
 	  $(PY) -m pip install --no-compile --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
 	@# pip byte-compiles on one core: compile on every core instead, torch's files while pip installs the
-	@# rest (-qq: like pip, pass over the few sources that are not Python 3.11, such as a torch test file)
+	@# rest (-qq and || true: like pip's own step, a source that does not compile, such as a torch test
+	@# file written for a newer Python, is left to be compiled at import)
 	@site=$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
 	{ $(PY) -m compileall -qq -j 0 "$$site/torch" || true; } & \
 	$(PY) -m pip install --no-compile -e ".[test]" || { wait; exit 1; }; \

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -314,15 +315,16 @@ def workers(count: int):
     """A pool of `count` processes of one torch thread each (or this process, for 1) for the runs below.
 
     Every job is seeded on its own, so results do not depend on how the jobs were shared out. Each
-    process loads the model once and keeps it. The workers fork from a server that imported what a run
-    uses (`labutils.run_imports`) once, where the platform has one.
+    process loads the model once and keeps it. On Linux without a CUDA device (which a forked process
+    could not use) the workers fork from a server that imported trl and the model code once
+    (`labutils.run_imports`); elsewhere each is spawned and imports them itself.
     """
     if count <= 1:
         return _Serial()
     import concurrent.futures
     import multiprocessing
 
-    if "forkserver" in multiprocessing.get_all_start_methods():  # one fresh process imports, the workers fork from it
+    if sys.platform == "linux" and not torch.cuda.is_available():  # one process imports, the workers fork from it
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["labutils.run_imports"])
     else:

@@ -1,6 +1,6 @@
-"""What every sampler-precision run imports, loaded once by the runs' fork server (`mismatch_rl.workers`)
-so that each worker is forked with it instead of importing it again. Quiet first: the server's stderr
-is the chapter's."""
+"""The heavy imports of a sampler-precision run (trl's GRPO trainer, the model code), loaded once by the
+runs' fork server (`mismatch_rl.workers`) so that each worker is forked with them instead of importing
+them again. Quiet first: the server's stderr is the chapter's."""
 from .mismatch_rl import _quiet_worker
 
 _quiet_worker()

@@ -200,7 +200,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     try:
         conn.close()
         os.setsid()  # a process group of its own: signals and a kill reach what it starts too
-        _take_priority(request.get("priority", {}))
+        _take_nice(request.get("nice", os.getpriority(os.PRIO_PROCESS, 0)))
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -229,21 +229,10 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     raise _Become(code)
 
 
-def _priority() -> dict:
-    """This process's CPU priority: its nice, and (Linux autogroup) the nice of its session's group."""
-    found = {"nice": os.getpriority(os.PRIO_PROCESS, 0)}
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        found["group_nice"] = int(Path("/proc/self/autogroup").read_text().split()[-1])
-    return found
-
-
-def _take_priority(priority: dict) -> None:
-    """Run at the asker's priority, as its own child would: its nice, and, having left its session for one of
-    its own, its session's group nice (Linux shares the CPU between those groups before it looks at a nice)."""
-    with contextlib.suppress(OSError, KeyError):
-        os.setpriority(os.PRIO_PROCESS, 0, priority["nice"])
-    with contextlib.suppress(OSError, KeyError):
-        Path("/proc/self/autogroup").write_text(str(priority["group_nice"]))
+def _take_nice(nice: int) -> None:
+    """Run at the asker's nice, as its own child would (a nice below the server's needs a privilege: kept as is)."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 @contextlib.contextmanager
@@ -305,7 +294,7 @@ def run(module: str, args: list[str]) -> int:
     try:
         sock.connect(path)
         _send(sock, {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
-                     "priority": _priority()}, [0, 1, 2])
+                     "nice": os.getpriority(os.PRIO_PROCESS, 0)}, [0, 1, 2])
         started, _ = _receive(sock)
     except (OSError, ValueError):
         started = None

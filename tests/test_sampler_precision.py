@@ -216,3 +216,10 @@ def test_sweeps_run_in_a_serial_pool_on_the_lab_model(tiny_profile, lab_cache):
     rows = mismatch_rl.gradients(tiny_profile, [("fp32", 1), ("m2", 1)], prompts, ["3", "3"], 2, 3, 12, pool)
     parameters = sum(p.numel() for p in model.parameters())
     assert [r.shape for r in rows] == [(3, parameters)] * 2
+
+
+def test_the_fork_servers_preload_imports():
+    """multiprocessing's fork server passes over a preload that fails to import: the pool would quietly lose it."""
+    import importlib
+
+    importlib.import_module("labutils.run_imports")
