@@ -200,7 +200,8 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     try:
         conn.close()
         os.setsid()  # a process group of its own: signals and a kill reach what it starts too
-        _take_nice(request.get("nice", os.getpriority(os.PRIO_PROCESS, 0)))
+        with contextlib.suppress(OSError):  # the asker's nice, as its own child had (lowering needs a privilege)
+            os.setpriority(os.PRIO_PROCESS, 0, request["nice"])
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -227,12 +228,6 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     raise _Become(code)
-
-
-def _take_nice(nice: int) -> None:
-    """Run at the asker's nice, as its own child would (a nice below the server's needs a privilege: kept as is)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 @contextlib.contextmanager
