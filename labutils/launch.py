@@ -17,6 +17,8 @@ import logging
 import os
 from pathlib import Path
 
+from . import warm
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,6 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if argv is None:  # started by `accelerate launch`: in a warm child where the book's build runs one
+        warm.hand_over("labutils.launch")
 
     import torch
     from transformers.utils import logging as hf_logging

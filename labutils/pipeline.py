@@ -189,6 +189,7 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
 LAST_RUN = {"warm": False}  # whether execute_all's last run forked its processes from a warm server
 BOOK_FIRST = "00_lab"  # the book starts here
 WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
+LONGEST = ("05b_sampler_precision", "04_mismatch")  # first where no last run says how long each chapter takes
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
@@ -196,10 +197,10 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
     """Execute `stems` `jobs` at a time, each in a process of its own; returns the wall seconds.
 
     For the whole book the lab's models are built first, each kind in a process of its own (beside the
-    chapters that need none); then every chapter, the longest last run first. With `jobs` > 1 every process is
-    single-threaded, so two do not fight over the cores, and (with `warm_start`) forked from a server
-    that imported the heavy libraries once (`labutils.warm`); `jobs=1` runs everything one after another
-    in fresh processes with torch's default threads.
+    chapters that need none); then every chapter, the longest last run first (without a last run, LONGEST
+    first). With `jobs` > 1 every process is single-threaded, so two do not fight over the cores, and (with
+    `warm_start`) forked from a server that imported the heavy libraries once (`labutils.warm`); `jobs=1`
+    runs everything one after another in fresh processes with torch's default threads.
     """
     start = time.perf_counter()
     build = build or root / "_build"
@@ -227,7 +228,8 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
     import concurrent.futures
 
     hint = [build / "results", root / "_build" / "results"]  # a fresh build folder orders by the book's last run
-    order = sorted(stems, key=lambda s: (s not in WITHOUT_MODELS, -max(_last_seconds(d / f"{s}.json") for d in hint)))
+    order = sorted(stems, key=lambda s: (s not in WITHOUT_MODELS, -max(_last_seconds(d / f"{s}.json") for d in hint),
+                                         s not in LONGEST))
     models: dict = {}
     futures: dict = {}
 

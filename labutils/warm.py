@@ -18,6 +18,7 @@ chapters seed their own generators), and its memory counts the preloaded librari
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -119,6 +120,9 @@ def _serve(path: str, libraries) -> None:
     if problems:
         print(f"refused: {'; '.join(problems)}", flush=True)
         return
+    # the imports' objects out of the collector's reach: a child's collections, and its interpreter's shutdown,
+    # then do not walk (and copy, page by page) the whole shared heap; an exiting child took 2 s of CPU without
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -191,12 +195,16 @@ def _kill_group(pid: int) -> None:
             kill(pid, signal.SIGKILL)
 
 
+_IN_CHILD = False  # True in a forked child
+
+
 def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     """Become `python -m MODULE ARGS…` in the asker's directory, environment and streams."""
     import runpy
     import traceback
 
-    code = 1
+    global _IN_CHILD
+    code, _IN_CHILD = 1, True
     try:
         conn.close()
         os.setsid()  # a process group of its own: signals and a kill reach what it starts too
@@ -295,6 +303,7 @@ def run(module: str, args: list[str]) -> int:
         started = None
     if started is None:  # no server: this process becomes the module, with the signals it has had
         sock.close()
+        os.environ.pop(SOCKET)  # and neither it nor what it starts asks the missing server again
         for sig, handler in before.items():
             signal.signal(sig, handler)
         for sig in pending:
@@ -311,6 +320,14 @@ def run(module: str, args: list[str]) -> int:
     if done is None:
         return 1
     return done["status"] if done["status"] >= 0 else 128 - done["status"]  # killed by a signal: as a shell says
+
+
+def hand_over(module: str) -> None:
+    """For a script that a launcher starts as a fresh `python -m module` (accelerate's workers): where a server
+    answers, run it in a warm child instead, with this process's arguments, and exit with its status. Nothing
+    happens in a warm child, which has the libraries already, or where no server runs."""
+    if os.environ.get(SOCKET) and not _IN_CHILD:
+        sys.exit(run(module, sys.argv[1:]))
 
 
 if __name__ == "__main__":

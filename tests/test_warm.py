@@ -65,6 +65,18 @@ def test_without_a_server_the_asker_runs_the_module_itself(probe):
     assert out.split()[:3] == ["fresh", str(probe), "yes"] and asked.returncode == 3
 
 
+def test_a_script_hands_itself_over_to_the_server_once(probe):
+    (probe / "handover_probe.py").write_text("import sys\nfrom labutils import warm\nwarm.hand_over('handover_probe')\n"
+                                             "print('preloaded' if 'fractions' in sys.modules else 'fresh', sys.argv[1:])\n")
+    env = {k: v for k, v in os.environ.items() if k != warm.SOCKET} | {"PYTHONPATH": str(probe)}
+    with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("fractions",)) as path:
+        assert path is not None
+        for socket_path, expected in ((path, "preloaded"), (str(probe / "no-such-socket"), "fresh")):
+            done = subprocess.run([sys.executable, "-m", "handover_probe", "x"], cwd=probe, capture_output=True,
+                                  text=True, env=env | {warm.SOCKET: socket_path}, timeout=60)
+            assert done.stdout.split() == [expected, "['x']"], done.stderr  # once: the child does not ask again
+
+
 def test_signals_reach_the_child_and_a_killed_asker_takes_it_down(probe):
     with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("fractions",)) as path:
         asked = _ask(probe, "wait", socket_path=path)
