@@ -12,8 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 _PAGE = 4096
 
 
@@ -41,6 +39,8 @@ def measure(device: str = "cpu", sample_every: float = 0.005):
     """Time a block and record its peak memory: CUDA max allocated on GPU, sampled peak RSS on CPU."""
     result = Measurement()
     if device.startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -104,6 +104,8 @@ def forked_runs(target: str, jobs: list[dict], preload: tuple[str, ...] = (), fo
     import signal
 
     if fork is None:
+        import torch
+
         fork = not torch.cuda.is_available()
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
@@ -135,12 +137,14 @@ def _fork_each(folder: str) -> None:
             subprocess.run([sys.executable, "-c", "import sys; from labutils.measure import _one_job; "
                             "_one_job(sys.argv[1], int(sys.argv[2]))", folder, str(i)], check=True)
         return
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # no OpenMP thread team exists at the fork: a child can start its own
     for name in spec["preload"]:
         importlib.import_module(name)
     module, name = spec["target"].split(":")
     function = getattr(importlib.import_module(module), name)
+    torch = sys.modules.get("torch")  # imported by the jobs' modules, or not needed
+    threads = torch.get_num_threads() if torch else 0
+    if torch:
+        torch.set_num_threads(1)  # no OpenMP thread team exists at the fork: a child can start its own
     for i, job in enumerate(spec["jobs"]):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -148,7 +152,8 @@ def _fork_each(folder: str) -> None:
         if pid == 0:
             code = 0
             try:
-                torch.set_num_threads(threads)
+                if torch:
+                    torch.set_num_threads(threads)
                 (Path(folder) / f"{i}.json").write_text(json.dumps(function(**job)))
             except BaseException:  # the child must never return into the runner's loop
                 traceback.print_exc()

@@ -153,7 +153,7 @@ def test_participant_parameters_are_read_as_literals():
 def test_execute_all_names_the_failed_chapter_and_its_error(tmp_path):
     root = _project(tmp_path, tags="hide-output", body="raise KeyError('unexpected')")
     with pytest.raises(pipeline.ChapterError, match=r"zz_tiny: .*ChapterError: zz_tiny.ipynb: a cell not tagged"):
-        pipeline.execute_all(["zz_tiny"], "cpu", jobs=2, root=root)
+        pipeline.execute_all(["zz_tiny"], "cpu", jobs=2, root=root, warm_start=False)  # the module's server serves
 
 
 def test_executed_notebooks_show_no_machine_paths(tmp_path):
