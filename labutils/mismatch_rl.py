@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,8 +75,9 @@ def eval_problems(count: int, plan: GrpoPlan, seed: int = 0) -> list[task.Proble
     return task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk, distinct=True)
 
 
-def policy_eval(problems: list[task.Problem], every: int):
-    """A TrainerCallback that scores the trained policy itself (fp32, greedy) every `every` steps and at both ends."""
+def policy_eval(problems: list[task.Problem], every: int, start: float | None = None):
+    """A TrainerCallback that scores the trained policy itself (fp32, greedy) every `every` steps and at both ends;
+    `start`, where given, is the score at step 0, already measured on the same weights."""
     from transformers import TrainerCallback
 
     class PolicyEval(TrainerCallback):
@@ -89,13 +91,19 @@ def policy_eval(problems: list[task.Problem], every: int):
             model.train(was_training)
 
         def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
-            self._score(state, model, processing_class)
+            if start is None:
+                self._score(state, model, processing_class)
+            else:
+                self.history.append((state.global_step, start))
 
         def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
             if state.global_step % every == 0 or state.global_step == state.max_steps:
                 self._score(state, model, processing_class)
 
     return PolicyEval()
+
+
+_START_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {problems: step-0 π-eval}
 
 
 def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan, seed: int,
@@ -109,11 +117,13 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
     args = grpo.config(profile, f"{output_dir}/{spec.name}-s{seed}", seed=seed, plan=plan, **spec.correction)
     trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan,
                                   exclude=frozenset(problems))  # π-eval problems are never trained on
-    evaluator = policy_eval(problems, eval_every)
+    known = _START_SCORES.setdefault(base_model, {})  # every run from this model starts from its weights
+    evaluator = policy_eval(problems, eval_every, start=known.get(tuple(problems)))
     trainer.add_callback(evaluator)
     start = time.perf_counter()
     trainer.train()
     history = trainer.state.log_history
+    known[tuple(problems)] = evaluator.history[0][1]
 
     def curve(key):
         return [e[key] for e in history if key in e]

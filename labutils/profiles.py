@@ -176,11 +176,11 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
     depth at a minimum.
 
     It executes the gpu profile's code paths (shapes, configs, API calls) where CI runs; its numbers
-    mean nothing: the models are two layers deep and barely warmed up.
+    mean nothing: the models are one layer deep and barely warmed up.
     """
     short = dict(steps=2, batch_size=2 * gpu.grpo.num_generations, prompts=64, min_walk=1, max_walk=3)
     return replace(
-        gpu, device="cpu", dense=replace(gpu.dense, num_layers=2), moe=replace(gpu.moe, num_layers=2),
+        gpu, device="cpu", dense=replace(gpu.dense, num_layers=1), moe=replace(gpu.moe, num_layers=1),
         warmup=replace(gpu.warmup, steps=2, batch_size=4, max_walk=4),
         moe_warmup=replace(gpu.moe_warmup, steps=2, batch_size=4, max_walk=4),
         task=replace(gpu.task, eval_problems=8, length_problems=2, max_walk=4),
