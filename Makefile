@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	    $(PYTHON) -m venv --system-site-packages $(VENV); \
 	  else $(PYTHON) -m venv $(VENV); fi; \
 	fi
+	@# a venv's own pip can be years old: a current one resolves the book's libraries in half the time
+	@$(PY) -m pip install -q --no-compile --upgrade "pip>=26"
 	@$(PY) -c "import torch" 2>/dev/null || \
 	  $(PY) -m pip install --no-compile --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
 	@# pip byte-compiles on one core: compile on every core instead, torch's files while pip installs the
