@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
-NOT_IMPORTED := /tests/|/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)
+NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
 .PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
 
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	  else $(PYTHON) -m venv $(VENV); fi; \
 	fi
 	@# a venv's own pip can be years old: a current one resolves the book's libraries in half the time
-	@$(PY) -m pip install -q --no-compile --upgrade "pip>=26"
+	@$(PY) -m pip install -q --no-compile --upgrade "pip>=26" || echo "keeping $$($(PY) -m pip --version)"
 	@$(PY) -c "import torch" 2>/dev/null || \
 	  $(PY) -m pip install --no-compile --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "$(TORCH_CPU)"
 	@# pip byte-compiles on one core: compile on every core instead, torch's files while pip installs the

@@ -111,13 +111,17 @@ def train_measured(built, device: str, last: int = 4) -> dict:
     from .measure import measure
 
     # Trainer.train() begins with a full gc.collect() (accelerate's free_memory), which walks every object the
-    # process holds (up to a second per run on a CPU); frozen ones are skipped, and unfrozen again after training
-    gc.freeze()
+    # process holds (up to a second per run on a CPU); frozen ones are skipped, and unfrozen again after training.
+    # A process forked from a warm server has its libraries frozen already: unfreezing would thaw them too.
+    thaw = gc.get_freeze_count() == 0
+    if thaw:
+        gc.freeze()
     try:
         with measure(device) as cost:
             built.train()
     finally:
-        gc.unfreeze()
+        if thaw:
+            gc.unfreeze()
     history = built.state.log_history
     tokens = max((entry.get("num_tokens", 0) for entry in history), default=0)
     rewards = reward_curve(built)

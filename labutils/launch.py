@@ -27,8 +27,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    if argv is None:  # started by `accelerate launch`: in a warm child where the book's build runs one
-        warm.hand_over("labutils.launch")
 
     import torch
     from transformers.utils import logging as hf_logging
@@ -61,4 +59,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    warm.hand_over("labutils.launch")  # started by `accelerate launch`: in a warm child where the book's build runs one
     main()

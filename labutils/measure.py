@@ -137,14 +137,16 @@ def _fork_each(folder: str) -> None:
             subprocess.run([sys.executable, "-c", "import sys; from labutils.measure import _one_job; "
                             "_one_job(sys.argv[1], int(sys.argv[2]))", folder, str(i)], check=True)
         return
+    # jobs with modules to preload use torch (a plain function, as in the tests, does not need it): one thread
+    # before anything runs, so no OpenMP thread team exists at the fork and a child can start its own
+    torch = importlib.import_module("torch") if spec["preload"] else None
+    threads = torch.get_num_threads() if torch else 0
+    if torch:
+        torch.set_num_threads(1)
     for name in spec["preload"]:
         importlib.import_module(name)
     module, name = spec["target"].split(":")
     function = getattr(importlib.import_module(module), name)
-    torch = sys.modules.get("torch")  # imported by the jobs' modules, or not needed
-    threads = torch.get_num_threads() if torch else 0
-    if torch:
-        torch.set_num_threads(1)  # no OpenMP thread team exists at the fork: a child can start its own
     for i, job in enumerate(spec["jobs"]):
         sys.stdout.flush()
         sys.stderr.flush()

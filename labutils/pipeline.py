@@ -189,7 +189,7 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
 LAST_RUN = {"warm": False}  # whether execute_all's last run forked its processes from a warm server
 BOOK_FIRST = "00_lab"  # the book starts here
 WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
-LONGEST = ("05b_sampler_precision", "04_mismatch")  # first where no last run says how long each chapter takes
+LONGEST = ("05b_sampler_precision", "04_mismatch")  # first, in this order, where no last run says how long each takes
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
@@ -229,7 +229,7 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
 
     hint = [build / "results", root / "_build" / "results"]  # a fresh build folder orders by the book's last run
     order = sorted(stems, key=lambda s: (s not in WITHOUT_MODELS, -max(_last_seconds(d / f"{s}.json") for d in hint),
-                                         s not in LONGEST))
+                                         LONGEST.index(s) if s in LONGEST else len(LONGEST)))
     models: dict = {}
     futures: dict = {}
 

@@ -13,7 +13,8 @@ Forking is only safe from a process with one thread and no CUDA driver state, so
 to serve off Linux, where torch sees a GPU, or where an import left a thread running; and it imports
 none of the lab's chapter code (only the package's light `__init__`). A child is not a fresh interpreter in every
 respect: it shares the server's hash seed and the global random states the imports left (the
-chapters seed their own generators), and its memory counts the preloaded libraries' pages.
+chapters seed their own generators), its memory counts the preloaded libraries' pages, and the objects the
+imports made are frozen out of the garbage collector (`gc.freeze`: never collected, not in `gc.get_objects()`).
 """
 from __future__ import annotations
 
@@ -325,7 +326,8 @@ def run(module: str, args: list[str]) -> int:
 def hand_over(module: str) -> None:
     """For a script that a launcher starts as a fresh `python -m module` (accelerate's workers): where a server
     answers, run it in a warm child instead, with this process's arguments, and exit with its status. Nothing
-    happens in a warm child, which has the libraries already, or where no server runs."""
+    happens in a warm child, which has the libraries already, or where LAB_WARM is unset; where it names a
+    server that is gone, this process starts again as `python -m module`, without LAB_WARM."""
     if os.environ.get(SOCKET) and not _IN_CHILD:
         sys.exit(run(module, sys.argv[1:]))
 

@@ -220,6 +220,8 @@ def test_sweeps_run_in_a_serial_pool_on_the_lab_model(tiny_profile, lab_cache):
 
 def test_the_fork_servers_preload_imports():
     """multiprocessing's fork server passes over a preload that fails to import: the pool would quietly lose it."""
+    import gc
     import importlib
 
     importlib.import_module("labutils.run_imports")
+    gc.unfreeze()  # it freezes the process that imports it, which is meant to be the fork server
