@@ -140,8 +140,8 @@ def _fork_each(folder: str) -> None:
     # jobs with modules to preload use torch (a plain function, as in the tests, does not need it): one thread
     # before anything runs, so no OpenMP thread team exists at the fork and a child can start its own
     torch = importlib.import_module("torch") if spec["preload"] else None
-    threads = torch.get_num_threads() if torch else 0
     if torch:
+        threads = torch.get_num_threads()
         torch.set_num_threads(1)
     for name in spec["preload"]:
         importlib.import_module(name)

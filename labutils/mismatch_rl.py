@@ -117,13 +117,13 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
     args = grpo.config(profile, f"{output_dir}/{spec.name}-s{seed}", seed=seed, plan=plan, **spec.correction)
     trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan,
                                   exclude=frozenset(problems))  # π-eval problems are never trained on
-    known = _START_SCORES.setdefault(base_model, {})  # every run from this model starts from its weights
-    evaluator = policy_eval(problems, eval_every, start=known.get(tuple(problems)))
+    known, key = _START_SCORES.setdefault(base_model, {}), tuple(problems)  # every run from it starts there
+    evaluator = policy_eval(problems, eval_every, start=known.get(key))
     trainer.add_callback(evaluator)
     start = time.perf_counter()
     trainer.train()
     history = trainer.state.log_history
-    known[tuple(problems)] = evaluator.history[0][1]
+    known[key] = evaluator.history[0][1]
 
     def curve(key):
         return [e[key] for e in history if key in e]
