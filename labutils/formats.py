@@ -132,3 +132,16 @@ def rounding_error(x: float, fmt: str | Format) -> tuple[float, float]:
 def same_after_rounding(a: float, b: float, fmt: str | Format) -> bool:
     """Whether `fmt` stores `a` and `b` as the same number."""
     return round_to(a, fmt) == round_to(b, fmt)
+
+
+def max_relative_rounding(tensors, dtype) -> float:
+    """The largest |round(w) − w| / |w| over the nonzero entries of `tensors` when stored in `dtype`
+    (0.0 where every entry is zero: a fresh LoRA B matrix or a zero-initialised bias moves nothing)."""
+    worst = 0.0
+    for w in tensors:
+        exact = w.detach().double()
+        nonzero = exact != 0
+        if bool(nonzero.any()):
+            moved = (w.detach().to(dtype).double() - exact).abs()[nonzero] / exact.abs()[nonzero]
+            worst = max(worst, float(moved.max()))
+    return worst

@@ -186,3 +186,92 @@ def summary(rollout, train_logprobs: torch.Tensor, train_vocab: torch.Tensor | N
         out.update(slope_per_1k=fit.slope_per_1k, slope_stderr_per_1k=fit.stderr_per_1k,
                    intercept=fit.intercept, r2=fit.r2)
     return out
+
+
+@dataclass
+class TokenRecord:
+    """One engine pair's view of the same sampled tokens, per sequence and position ([N, L] tensors).
+
+    `log_mu` and `log_pi` are the sampled tokens' log-probabilities under the inference and the
+    training engine; `kl` is the exact token KL[μ‖π] over the whole vocabulary; `mask` marks real tokens.
+    """
+
+    log_mu: torch.Tensor
+    log_pi: torch.Tensor
+    kl: torch.Tensor
+    mask: torch.Tensor
+    seconds: float  # sampling time
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        return log_ratio(self.log_pi, self.log_mu, self.mask)
+
+
+def measure(sampler, scorer, prompts: list[list[int]], length: int, seed: int, chunk: int,
+            temperature: float = 1.0) -> TokenRecord:
+    """Sample `length` tokens per prompt (EOS banned) and rescore them, `chunk` prompts at a time.
+
+    Only a chunk's full-vocabulary log μ, and one micro-batch's log π, are held at once (a 49K vocabulary
+    is 196 KB per token and engine): the exact token KL is taken from them, and they are freed.
+    """
+    generator = torch.Generator(sampler.device).manual_seed(seed)
+    parts, seconds = [], 0.0
+    for start in range(0, len(prompts), chunk):
+        rollout = sampler.sample(prompts[start:start + chunk], length, length, temperature=temperature,
+                                 keep_vocab=True, generator=generator)
+        seconds += rollout.seconds
+        for first in range(0, len(rollout.prompt_ids), scorer.micro_batch):
+            some = rollout.rows(first, first + scorer.micro_batch)
+            scored = scorer.score(some, temperature=temperature, keep_vocab=True)
+            parts.append((some.logprobs, scored.logprobs, token_kl(some.vocab_logprobs, scored.vocab) * some.mask,
+                          some.mask))
+            del scored
+        del rollout
+    return TokenRecord(*(torch.cat(column) for column in zip(*parts)), seconds=seconds)
+
+
+def block_mean(values: torch.Tensor, mask: torch.Tensor, block: int = 128) -> tuple[float, float]:
+    """Mean of a per-token value over real tokens, and its standard error from means of `block`-token runs.
+
+    Neighbouring tokens share a context, so their errors are not independent; the means of long runs of
+    tokens nearly are (batch means). Needs at least two blocks.
+    """
+    sums, counts = [], []
+    for row, real in zip(values.double(), mask.bool()):
+        kept = row[real]
+        for start in range(0, kept.numel() - block + 1, block):
+            sums.append(float(kept[start:start + block].sum()))
+            counts.append(block)
+    if len(sums) < 2:
+        raise ValueError(f"a block standard error needs at least two runs of {block} tokens.")
+    means = torch.tensor(sums, dtype=torch.float64) / torch.tensor(counts, dtype=torch.float64)
+    return float(means.mean()), float(means.std() / len(sums) ** 0.5)
+
+
+def prefix_slope(ratio_log: torch.Tensor, mask: torch.Tensor, step: int = 64) -> tuple[float, float]:
+    """Slope of the prefix log-ratio log π(y≤n)/μ(y≤n) against n, per 1K tokens, and its standard error.
+
+    Each sequence gives one least-squares slope over the prefixes n = step, 2·step, …; every sequence has the
+    same prefixes, so the pooled fit's slope is their mean, and its standard error is their spread over
+    √sequences (sequences are the independent units; prefixes of one sequence are not).
+    """
+    lengths = mask.sum(-1)
+    if bool((lengths != lengths[0]).any()) or ratio_log.shape[0] < 2:
+        raise ValueError("prefix_slope needs at least two sequences of one length.")
+    grid = torch.arange(step, int(lengths[0]) + 1, step)
+    prefixes = ratio_log.double().cumsum(-1)[:, grid - 1]
+    slopes = torch.tensor([length_fit(grid, row).slope_per_1k for row in prefixes], dtype=torch.float64)
+    return float(slopes.mean()), float(slopes.std() / slopes.numel() ** 0.5)
+
+
+def by_probability(per_token: torch.Tensor, probability: torch.Tensor, mask: torch.Tensor,
+                   edges: list[float]) -> list[dict]:
+    """Count, mean and standard error of a per-token value by the probability bucket [edges[i], edges[i+1])."""
+    rows = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = mask.bool() & (probability >= lo) & ((probability < hi) if hi < 1 else (probability <= hi))
+        chunk = per_token[inside].double()
+        rows.append({"from": lo, "to": hi, "count": int(inside.sum()),
+                     "mean": float(chunk.mean()) if chunk.numel() else float("nan"),
+                     "stderr": float(chunk.std() / chunk.numel() ** 0.5) if chunk.numel() > 1 else float("nan")})
+    return rows

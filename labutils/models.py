@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import task
+from . import pretrained, task
 from .profiles import ModelSize, Profile, WarmupPlan
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -72,6 +72,13 @@ def build_config(size: ModelSize, tokenizer):
 def cache_root() -> Path:
     """Where built models live (`LAB_CACHE` overrides)."""
     return Path(os.environ.get("LAB_CACHE", Path.home() / ".cache" / "precision-lab")) / "models"
+
+
+def pretrained_root() -> Path:
+    """Where the real model is converted: the lab cache, or `LAB_PRETRAINED_CACHE` (shared by test runs whose
+    lab cache is their own, so that the conversion happens once)."""
+    shared = os.environ.get("LAB_PRETRAINED_CACHE")
+    return Path(shared) if shared else cache_root()
 
 
 def build_key(kind: str, size: ModelSize, plan: WarmupPlan, seed: int) -> str:
@@ -208,9 +215,15 @@ def lab_metadata(path: Path) -> dict:
 
 
 def resolve_model(model_id: str | None, kind: str, profile: Profile, seed: int = 0) -> str:
-    """`model_id` when given (local directory or hub id), else the lab model's directory."""
+    """`model_id` when given (local directory or hub id, or `pretrained.NAME` for the lab's real model,
+    converted on first use), else the lab model's directory."""
     if model_id is None:
         return str(lab_model_dir(kind, profile, seed))
+    if model_id == pretrained.NAME:
+        if kind == "moe":
+            raise ValueError(f"model_id={model_id!r} is a dense model; the MoE chapter needs a mixture-of-experts "
+                             "checkpoint, or None for the lab's MoE model.")
+        return str(pretrained.model_dir(pretrained_root()))
     looks_local = model_id.startswith((".", "/", "~"))  # hub ids look like "org/name"
     local = Path(model_id).expanduser()
     if local.exists():
@@ -312,10 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     from .profiles import resolve
 
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("kind", choices=KINDS)
+    parser.add_argument("kind", choices=(*KINDS, "real"))
     parser.add_argument("--profile", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.kind == "real":
+        print(f"the lab's real model: {display_path(resolve_model(pretrained.NAME, 'dense', None))}")
+        return
     print(f"the lab's {args.kind} model: {display_path(lab_model_dir(args.kind, resolve(args.profile), args.seed))}")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import filecmp
+import functools
 import hashlib
 import json
 import os
@@ -51,7 +52,17 @@ def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
         if module.name not in NOT_CHAPTER_CODE:
             digest.update(module.name.encode() + module.read_bytes())
     digest.update(json.dumps(parameters, sort_keys=True).encode())
+    digest.update(json.dumps(environment(), sort_keys=True).encode())
     return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> dict:
+    """What else decides a chapter's numbers: the libraries' installed versions and the CPU's kernel set.
+    Results from another environment are executed again, never published."""
+    from . import env
+
+    return {"libraries": {name: env.installed_version(name) for name in env.LIBRARIES}, "kernels": env.kernel_set()}
 
 
 def execute(stem: str, profile: str = "auto", parameters: dict | None = None, force: bool = False,
@@ -189,7 +200,7 @@ def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
 LAST_RUN = {"warm": False}  # whether execute_all's last run forked its processes from a warm server
 BOOK_FIRST = "00_lab"  # the book starts here
 WITHOUT_MODELS = ("01_number_formats", "11_troubleshooting")  # need none of the lab's models
-LONGEST = ("05b_sampler_precision", "04_mismatch")  # first, in this order, where no last run says how long each takes
+LONGEST = ("04b_real_mismatch", "05b_sampler_precision", "04_mismatch")  # first, in this order, where no last run says how long each takes
 
 
 def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: bool = False,
@@ -254,8 +265,9 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         if models_first:
             from .models import KINDS
+            from .pretrained import installed
 
-            models.update({kind: pool.submit(build_model, kind) for kind in KINDS})
+            models.update({kind: pool.submit(build_model, kind) for kind in (*KINDS, *["real"] * installed())})
         for stem in order:
             futures[stem] = pool.submit(one, stem)
     failed = [str(future.exception()) for future in [*models.values(), *futures.values()]

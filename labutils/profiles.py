@@ -94,6 +94,21 @@ class SamplerPlan:
 
 
 @dataclass(frozen=True)
+class RealPlan:
+    """The real pretrained model's offline mismatch: sequences per engine precision, all `length` tokens long."""
+
+    sequences: tuple[tuple[str, int], ...]  # (precision, sequences): fp16 runs 20x slower than bf16 on a CPU
+    length: int  # completion tokens per sequence, EOS banned
+    micro_batch: int  # the training engine's sequences per forward (its logits are 196 KB per token)
+    sample_batch: int  # sequences sampled at once: full-vocabulary log μ is kept for these only, then freed
+    probe_sequences: int  # sequences per setting of the interventions (depth, temperature)
+    probe_length: int
+    probe_layers: tuple[int, ...]  # decoder layers kept in the depth intervention
+    speed_batch: int  # sampling against a plain forward: sequences, and tokens each
+    speed_length: int
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything a chapter may size by profile."""
 
@@ -112,6 +127,9 @@ class Profile:
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
+    real: RealPlan = RealPlan(sequences=(("bf16", 6), ("fp16", 3), ("fp32", 2)), length=1024, micro_batch=2,
+                              sample_batch=8, probe_sequences=4, probe_length=256, probe_layers=(30, 15, 8, 3),
+                              speed_batch=32, speed_length=48)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -164,6 +182,9 @@ PROFILES = {
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
         scaler_steps=400,
+        real=RealPlan(sequences=(("bf16", 64), ("fp16", 64), ("fp32", 16)), length=2048, micro_batch=8,
+                      sample_batch=16, probe_sequences=32, probe_length=1024, probe_layers=(30, 15, 8, 3),
+                      speed_batch=32, speed_length=512),
     ),
 }
 
@@ -193,6 +214,8 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         sampler=replace(gpu.sampler, dial_sequences=2, dial_length=128, bias_prompts=2, bias_batches=3, seeds=2,
                         eval_problems=8, eval_every=1),
         scaler_steps=2,
+        real=replace(gpu.real, sequences=(("bf16", 2), ("fp16", 2), ("fp32", 2)), length=24, micro_batch=2,
+                     probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8),
     )
 
 
@@ -209,6 +232,7 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         mismatch=replace(gpu.mismatch, sequences=256),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
+        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024),
     )
 
 

@@ -89,10 +89,14 @@ class Rollout:
 
     def first(self, n: int) -> "Rollout":
         """The first `n` rows, with everything recorded about them."""
-        cut = (lambda t: None if t is None else t[:n])
-        return Rollout(self.prompt_ids[:n], self.completion_ids[:n], self.mask[:n], self.logprobs[:n],
-                       cut(self.vocab_logprobs), cut(self.experts), cut(self.prompt_experts), cut(self.min_new_tokens),
-                       self.seconds)
+        return self.rows(0, n)
+
+    def rows(self, start: int, stop: int) -> "Rollout":
+        """Rows `start` to `stop` (exclusive), with everything recorded about them."""
+        cut = (lambda t: None if t is None else t[start:stop])
+        return Rollout(self.prompt_ids[start:stop], self.completion_ids[start:stop], self.mask[start:stop],
+                       self.logprobs[start:stop], cut(self.vocab_logprobs), cut(self.experts), cut(self.prompt_experts),
+                       cut(self.min_new_tokens), self.seconds)
 
     def completions(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.completion_ids, self.lengths)]

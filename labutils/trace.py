@@ -43,3 +43,34 @@ def source_lines(obj, pattern: str, before: int = 0, after: int = 0) -> str:
         shown.append(f"{first + i:>5} | {lines[i].rstrip()}")
         previous = i
     return f"{path}\n" + "\n".join(shown)
+
+
+def assignment_conditions(obj, target: str) -> list[list[str]]:
+    """For each assignment to `target` (e.g. "self.scaler") in `obj`'s source, the `if` tests that must
+    hold for it to run, outermost first (a test that must fail reads `not (...)`).
+
+    Read from the installed source's syntax tree, so it answers "which flag builds this?" on any device.
+    """
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(obj))))
+    found = []
+
+    def visit(node, conditions):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t) == target for t in targets):
+                found.append(list(conditions))
+        if isinstance(node, ast.If):
+            test = ast.unparse(node.test)
+            for child in node.body:
+                visit(child, conditions + [test])
+            for child in node.orelse:
+                visit(child, conditions + [f"not ({test})"])
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, conditions)
+
+    visit(tree, [])
+    return found

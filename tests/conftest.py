@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import pipeline, profiles
+from labutils import models, pipeline, profiles
 
 
 @pytest.fixture
@@ -84,7 +84,9 @@ BACKGROUND = {
     "book_executed": BOOK,
     # the gpu profile's code on the CPU (tests/test_gpu_paths.py): its numbers stay in the scratch folder
     "gpu_paths_build": WholeBook(["--profile", "gpu", "--jobs", "2", "--force", "--build", str(SCRATCH / "gpu-paths")],
-                                 env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(SCRATCH / "gpu-paths" / "cache")},
+                                 # a lab cache of its own, but the real model converted once, in the book's
+                                 env={profiles.GPU_PATHS_ON_CPU: "1", "LAB_CACHE": str(SCRATCH / "gpu-paths" / "cache"),
+                                      "LAB_PRETRAINED_CACHE": str(models.pretrained_root())},
                                  after=BOOK),
 }
 

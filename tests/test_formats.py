@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from labutils import formats
 
@@ -78,3 +79,15 @@ def test_overflow_and_unknown_format():
     assert math.isinf(formats.round_to(70000.0, "float16"))
     with pytest.raises(ValueError, match="choose one of"):
         formats.get("float12")
+
+
+def test_max_relative_rounding_skips_all_zero_tensors():
+    from labutils.formats import max_relative_rounding
+
+    zero, ones = torch.zeros(3), torch.ones(4)
+    assert max_relative_rounding([zero], torch.bfloat16) == 0.0
+    assert max_relative_rounding([zero, ones], torch.bfloat16) == 0.0  # 1 is exact in bf16
+    third = torch.tensor([1 / 3], dtype=torch.float64)
+    expected = abs(float(third.bfloat16().double()) - 1 / 3) / (1 / 3)
+    assert max_relative_rounding([zero, third], torch.bfloat16) == pytest.approx(expected)
+    assert expected <= 2**-8  # round to nearest: at most half bf16's spacing, relative

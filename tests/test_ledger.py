@@ -1,37 +1,59 @@
 """Every verdict of the claims ledger is a function of measurements that can come out more than one way."""
-import itertools
-import random
-
 import pytest
 
 from labutils import ledger
 
-CANDIDATES = [0, 1, 2, 3, 8, 16, 600, 1200, 3000, 1e-9, 1e-8, 1e-6, 1e-3, 0.05, 0.1, 0.3, 0.5, 0.9, 13.0, 14.0, 17.0,
-              65504.0, 6.1e-5, 2**-7, 2**-10, 10.0, 100.0, -0.3, -0.05, -1.0, True, False, "no", "ignored",
-              "changed the output", "rejected: TypeError", "TypeError: unexpected keyword", "returned None",
-              "bfloat16", "float32", "long run", "this run", "m3_tis", "cpu: no scaler", "n/a", "none", "GradScaler",
-              "fp16", "bf16", "cpu", "cuda", "_amp_foreach_non_finite_check_and_unscale_cuda not implemented for 'BFloat16'"]
+def _claim(words):
+    return next(c for c in ledger.CLAIMS if words in c.says)
 
 
-def _verdicts(claim, draws=4000):
-    """Verdicts over every combination of candidate values (two inputs or fewer), else a seeded sample."""
-    rng = random.Random(0)
-    seen = set()
-    combos = (itertools.product(CANDIDATES, repeat=len(claim.keys)) if len(claim.keys) <= 2 else
-              ([rng.choice(CANDIDATES) for _ in claim.keys] for _ in range(draws)))
-    for values in combos:
-        try:
-            seen.add(claim.judge(*values)[1].split(" (")[0])
-        except (TypeError, ValueError, ZeroDivisionError, KeyError, AttributeError):
-            continue
-    return seen
+def test_about_24x_is_judged_within_a_factor_of_two_on_the_real_model():
+    judge = _claim("about 24×").judge
+    assert _claim("about 24×").chapter == "04b_real_mismatch"
+    assert judge(25.0, 18.0, 34.0)[1] == ledger.CONFIRMED
+    assert judge(63.0, 52.0, 76.0)[1].startswith(ledger.CONTRADICTED)  # first-order theory's 64 is outside
+    assert judge(45.0, 30.0, 70.0)[1] == ledger.INCONCLUSIVE
 
 
-@pytest.mark.parametrize("index", range(len(ledger.CLAIMS)))
-def test_every_verdict_can_change_with_the_measurements(index):
-    claim = ledger.CLAIMS[index]
-    seen = _verdicts(claim)
-    assert len(seen) >= 2, f"claim {index + 1} ({claim.says[:60]}…) always judges {seen}"
+def test_slope_claim_reads_the_slope_against_its_own_drift():
+    judge = _claim("is a variance").judge
+    assert judge(-1.3, 0.08, 1.35)[1].startswith(ledger.CONTRADICTED)  # the slope is the mean drift
+    assert judge(-0.1, 0.08, 0.12)[1] == ledger.INCONCLUSIVE  # cannot be told from zero
+    assert judge(-2.0, 0.08, 1.0)[1] == ledger.INCONCLUSIVE  # not the drift: something else is going on
+
+
+def test_claims_that_need_more_than_any_profile_runs_say_what_they_need():
+    for words in ("1200 steps", "600 steps", "AIME24"):
+        claim = _claim(words)
+        values = {"grpo.steps": 4, "serving.ratio.bf16_unmerged_over_matched": 3.0,
+                  "serving.ratio.unmerged_bf16_over_unmerged_fp16": 5.0, "combo.bf16_bf16.final_reward": 1.0,
+                  "combo.fp16_fp16.final_reward": 1.0}
+        verdict = claim.judge(*(values[k] for k in claim.keys))[1]
+        assert verdict.startswith(ledger.NOT_MEASURED) and "needs" in verdict
+
+
+def test_redundant_recipe_and_routing_counts():
+    softmax = _claim("softmax").judge
+    assert softmax(1e-3, 1e-3)[1].startswith(ledger.REDUNDANT)
+    assert softmax(1e-2, 1e-3)[1] == ledger.CONFIRMED
+    routing = _claim("routing is more fragile").judge
+    assert routing(0.01, 0.001, 1)[1] == ledger.CONFIRMED
+    assert routing(0.01, 0.009, 0)[1] == ledger.INCONCLUSIVE  # within counting noise
+    assert routing(0.001, 0.01, -1)[1] == ledger.CONTRADICTED
+
+
+def test_loss_scale_band_claim():
+    judge = _claim("2^14–2^16").judge
+    assert judge(2.0**19, 0, 30)[1].startswith(ledger.CONTRADICTED)  # a healthy run outside the band
+    assert judge(2.0**15, 0, 30)[1].startswith(ledger.INCONCLUSIVE)
+    assert judge(2.0**19, 10, 30)[1].startswith(ledger.INCONCLUSIVE)  # a third of the steps skipped: not healthy
+
+
+def test_inconclusive_verdicts_give_the_power():
+    verdict = ledger._comparison(0.05, 0.1)
+    assert verdict.startswith(ledger.INCONCLUSIVE) and "power" in verdict
+    assert ledger._power(0.0, 0.1) == pytest.approx(0.05, abs=1e-4)  # no effect: the test's own false-positive rate
+    assert ledger._power(0.1 * 2.8 / 1.96, 0.1) == pytest.approx(0.80, abs=0.01)  # 2.8 SE: 80% power
 
 
 def test_a_claim_without_its_measurements_says_so_and_gives_no_verdict():
@@ -77,11 +99,11 @@ def test_a_gpu_claim_is_judged_only_on_a_gpu_reference(tmp_path):
 def test_the_verdict_comes_right_after_the_claims_number_as_a_badge():
     """The page puts each verdict where the eye lands first; its qualifier follows the badge."""
     assert ledger.verdict_markup(ledger.CONTRADICTED) == "{bdg-danger}`contradicted`"
-    qualified = ledger.verdict_markup(ledger.NOT_AT_SCALE + " (no scaler on this device)")
-    assert qualified == "{bdg-info}`not reproducible at this scale` (no scaler on this device)"
+    qualified = ledger.verdict_markup(ledger.INCONCLUSIVE + " (power 30% for the observed gap)")
+    assert qualified == "{bdg-warning}`inconclusive` (power 30% for the observed gap)"
     assert ledger.verdict_markup("–") == "–"
-    assert set(ledger.BADGES) == {ledger.CONFIRMED, ledger.CONTRADICTED, ledger.NOT_SUPPORTED,
-                                  ledger.NOT_AT_SCALE, ledger.NOT_MEASURED}
+    assert set(ledger.BADGES) == {ledger.CONFIRMED, ledger.CONTRADICTED, ledger.INCONCLUSIVE,
+                                  ledger.REDUNDANT, ledger.NOT_MEASURED}
 
 
 def test_a_cell_with_a_pipe_does_not_split_the_row():
