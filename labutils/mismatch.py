@@ -76,9 +76,14 @@ def token_kl(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tens
 
     Entries μ gives zero probability (a banned token: log μ = -inf) contribute nothing.
     """
-    mu = infer_vocab.double().exp()
-    gap = (infer_vocab.double() - train_vocab.double()).masked_fill(mu == 0, 0.0)
-    return (mu * gap).sum(-1)
+    flat_mu, flat_pi = infer_vocab.reshape(-1, infer_vocab.shape[-1]), train_vocab.reshape(-1, train_vocab.shape[-1])
+    out = torch.empty(flat_mu.shape[0], dtype=torch.float64)
+    for start in range(0, flat_mu.shape[0], 256):  # in float64, 256 positions at a time: 100 MB, not GBs
+        log_mu = flat_mu[start:start + 256].double()
+        mu = log_mu.exp()
+        gap = (log_mu - flat_pi[start:start + 256].double()).masked_fill(mu == 0, 0.0)
+        out[start:start + 256] = (mu * gap).sum(-1)
+    return out.reshape(infer_vocab.shape[:-1])
 
 
 def token_chi2(infer_vocab: torch.Tensor, train_vocab: torch.Tensor) -> torch.Tensor:
@@ -193,41 +198,55 @@ class TokenRecord:
     """One engine pair's view of the same sampled tokens, per sequence and position ([N, L] tensors).
 
     `log_mu` and `log_pi` are the sampled tokens' log-probabilities under the inference and the
-    training engine; `kl` is the exact token KL[μ‖π] over the whole vocabulary; `mask` marks real tokens.
+    training engine; `mask` marks real tokens; `kl` is the exact token KL[μ‖π] over the whole
+    vocabulary, for the first `kl.shape[0]` sequences only (those whose full distributions were kept).
     """
 
     log_mu: torch.Tensor
     log_pi: torch.Tensor
-    kl: torch.Tensor
     mask: torch.Tensor
+    kl: torch.Tensor
     seconds: float  # sampling time
 
     @property
     def log_ratio(self) -> torch.Tensor:
         return log_ratio(self.log_pi, self.log_mu, self.mask)
 
+    @property
+    def kl_mask(self) -> torch.Tensor:
+        """The real tokens of the sequences that have an exact KL."""
+        return self.mask[: self.kl.shape[0]]
+
 
 def measure(sampler, scorer, prompts: list[list[int]], length: int, seed: int, chunk: int,
-            temperature: float = 1.0) -> TokenRecord:
+            exact: int | None = None, temperature: float = 1.0) -> TokenRecord:
     """Sample `length` tokens per prompt (EOS banned) and rescore them, `chunk` prompts at a time.
 
-    Only a chunk's full-vocabulary log μ, and one micro-batch's log π, are held at once (a 49K vocabulary
-    is 196 KB per token and engine): the exact token KL is taken from them, and they are freed.
+    The exact token KL needs both engines' full distributions (a 49K vocabulary is 196 KB per token and
+    engine): they are kept for the first `exact` sequences only (all when None), one micro-batch of log π
+    at a time, and freed once the KL is taken. Every sequence gives log μ and log π of its sampled tokens.
     """
+    exact = len(prompts) if exact is None else exact
     generator = torch.Generator(sampler.device).manual_seed(seed)
-    parts, seconds = [], 0.0
+    sampled, kls, seconds = [], [], 0.0
     for start in range(0, len(prompts), chunk):
+        kept = max(0, min(chunk, exact - start))
         rollout = sampler.sample(prompts[start:start + chunk], length, length, temperature=temperature,
-                                 keep_vocab=True, generator=generator)
+                                 keep_vocab=kept, generator=generator)
         seconds += rollout.seconds
         for first in range(0, len(rollout.prompt_ids), scorer.micro_batch):
             some = rollout.rows(first, first + scorer.micro_batch)
-            scored = scorer.score(some, temperature=temperature, keep_vocab=True)
-            parts.append((some.logprobs, scored.logprobs, token_kl(some.vocab_logprobs, scored.vocab) * some.mask,
-                          some.mask))
+            full = first < kept  # the micro-batch holds sequences with log μ of the whole vocabulary
+            scored = scorer.score(some, temperature=temperature, keep_vocab=full)
+            sampled.append((some.logprobs, scored.logprobs, some.mask))
+            if full:
+                rows = min(len(some.prompt_ids), kept - first)
+                kls.append(token_kl(some.vocab_logprobs[:rows], scored.vocab[:rows]) * some.mask[:rows])
             del scored
         del rollout
-    return TokenRecord(*(torch.cat(column) for column in zip(*parts)), seconds=seconds)
+    log_mu, log_pi, mask = (torch.cat(column) for column in zip(*sampled))
+    kl = torch.cat(kls) if kls else torch.zeros(0, mask.shape[1], dtype=torch.float64)
+    return TokenRecord(log_mu, log_pi, mask, kl, seconds)
 
 
 def block_mean(values: torch.Tensor, mask: torch.Tensor, block: int = 128) -> tuple[float, float]:

@@ -42,7 +42,7 @@ def resolve_profile(profile: str) -> str:
 
 # the build's own machinery: no chapter imports it, so editing it re-executes nothing
 NOT_CHAPTER_CODE = {"pipeline.py", "warm.py", "ledger.py", "workshop.py", "status.py", "pdf.py", "gpu_check.py", "wheels.py",
-                    "workshop_check.py", "colab.py"}
+                    "workshop_check.py", "colab.py", "kernels_check.py"}
 
 
 def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:

@@ -137,10 +137,11 @@ class InferenceEngine:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], max_new_tokens, min_new_tokens=0,
                temperature: float = 1.0, generator: torch.Generator | None = None,
-               keep_vocab: bool = False, keep_experts: bool = False) -> Rollout:
+               keep_vocab: bool | int = False, keep_experts: bool = False) -> Rollout:
         """Sample one completion per prompt, recording log μ of each token in the sampling forward.
 
-        `max_new_tokens` and `min_new_tokens` are an int or one int per prompt; EOS cannot be
+        `keep_vocab` keeps log μ of the whole vocabulary for every row (True) or for the first n rows (an int:
+        a 49K vocabulary is 196 KB per token). `max_new_tokens` and `min_new_tokens` are an int or one int per prompt; EOS cannot be
         sampled before a row's minimum, and a row stops at its maximum. `keep_experts` (MoE
         models) records the experts each layer chose for the input that predicted each token.
         """
@@ -167,7 +168,8 @@ class InferenceEngine:
         completion = torch.full((batch, steps), self.pad_id, dtype=torch.long, device=self.device)
         alive = torch.zeros((batch, steps), dtype=torch.bool, device=self.device)  # not `!= pad`: pad can be sampled
         logps = torch.zeros((batch, steps), device=self.device)
-        vocab = torch.zeros((batch, steps, self.model.config.vocab_size), device=self.device) if keep_vocab else None
+        kept = batch if keep_vocab is True else min(batch, int(keep_vocab))
+        vocab = torch.zeros((kept, steps, self.model.config.vocab_size), device=self.device) if kept else None
         rows = torch.arange(batch, device=self.device)  # original index of each row still generating
         cache = DynamicCache(config=self.model.config)
         recorder = moe.RouterRecorder(self.model) if keep_experts else contextlib.nullcontext()
@@ -187,7 +189,7 @@ class InferenceEngine:
         used = int(alive.any(0).sum())
         return Rollout(prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion[:, :used].cpu(),
                        mask=alive[:, :used].cpu(), logprobs=logps[:, :used].cpu(),
-                       vocab_logprobs=vocab[:, :used].cpu() if keep_vocab else None,
+                       vocab_logprobs=vocab[:, :used].cpu() if kept else None,
                        experts=experts[:, :used].cpu() if keep_experts else None,
                        prompt_experts=prompt_experts.cpu() if keep_experts else None,
                        min_new_tokens=floor.cpu(), seconds=perf_counter() - start)
@@ -203,7 +205,8 @@ class InferenceEngine:
             completion[rows, step], alive[rows, step] = token, True
             logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
             if vocab is not None:
-                vocab[rows, step] = step_logp
+                stored = rows < vocab.shape[0]
+                vocab[rows[stored], step] = step_logp[stored]
             going = (token != self.eos_id) & (step + 1 < budget[rows])
             if not bool(going.any()):
                 break

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from . import colab
-from .env import LIBRARIES, cpu_model
+from .env import LIBRARIES, cpu_model, kernel_set
 from .results import load_all
 
 # A chapter whose executed notebook is newer than this was executed by this process (this build);
@@ -111,7 +111,8 @@ def page(root: Path) -> str:
         "# Build status", "",
         f"This copy of the book was built on {time.strftime('%Y-%m-%d at %H:%M UTC', time.gmtime())} from commit "
         f"`{commit[:12] if commit else 'unknown (not a git checkout)'}` on this machine: CPU {cpu_model()}, "
-        f"{os.cpu_count()} cores. It executed {kinds.count('executed')} of the {len(stems)} chapters and reused "
+        f"{os.cpu_count()} cores, kernel set {kernel_set()} (the same seed draws other numbers under other "
+        "kernels). It executed {kinds.count('executed')} of the {len(stems)} chapters and reused "
         f"{kinds.count('cached')}, *cached*: their source, the `labutils` code and their parameters were unchanged "
         "since the run shown, so that run's notebook and results were kept"
         + (f"; {kinds.count('not run')} have not been run." if "not run" in kinds else "."), "",

@@ -31,6 +31,7 @@ CUDA_ONLY_HELPERS = {
     ("grpo.py", 'if device != "cuda" or train_dtype == torch.float32:'),  # accelerate's fp16/bf16 flags, its scaler
     ("measure.py", 'if device.startswith("cuda"):'),  # max_memory_allocated and reserved
     ("rollout.py", 'if kind == "cuda":'),  # engine_dtype's CUDA checks
+    ("pretrained.py", 'if profile.device != "cuda":'),  # a GPU without the real model's wheel measures the toy
 }
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
 HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')

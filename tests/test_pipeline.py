@@ -165,3 +165,14 @@ def test_executed_notebooks_show_no_machine_paths(tmp_path):
     error = next(o for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "error")
     shown = "\n".join(error.traceback)
     assert "<site-packages>/torch/amp/grad_scaler.py" in shown and str(tmp_path) not in shown
+
+
+def test_the_fingerprint_covers_library_versions_and_the_kernel_set(monkeypatch):
+    """After an upgrade, or on another CPU, a chapter's old results are executed again, never published."""
+    key = pipeline.fingerprint("01_number_formats", {"profile": "cpu"})
+    here = pipeline.environment()
+    assert here["libraries"]["torch"] and here["kernels"].startswith("aten ")
+    for changed in ({**here, "libraries": {**here["libraries"], "trl": "0.0.1"}},
+                    {**here, "kernels": here["kernels"].replace("onednn max default", "onednn max AVX2")}):
+        monkeypatch.setattr(pipeline, "environment", lambda changed=changed: changed)
+        assert pipeline.fingerprint("01_number_formats", {"profile": "cpu"}) != key
