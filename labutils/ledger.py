@@ -120,9 +120,9 @@ def _about_24(ratio, low, high):
 def _slope_is_variance(slope, se, drift):
     """The slope of log π/μ against length: a mean drift (−sequence KL per 1K), or a growing variance?"""
     measured = (f"SmolLM2-135M, bf16: slope of the prefix log π/μ {slope:+.2f} ± {se:.2f} per 1K tokens against "
-                f"the mean drift −KL per 1K {-drift:+.2f} ({abs(slope + drift) / se:.1f} SE apart, {abs(slope) / se:.0f} "
-                "SE from 0; decided at 3 SE)")
-    if abs(slope) > 3 * se and abs(slope + drift) <= 3 * se:
+                f"the mean drift −KL per 1K {-drift:+.2f} ({abs(slope + drift) / se:.1f} SE apart; the fit can tell the "
+                f"drift from 0 when 3 SE < |drift|: {3 * se:.2f} vs {drift:.2f})")
+    if 3 * se < drift and abs(slope + drift) <= 3 * se:
         return measured, CONTRADICTED + " (the slope is the mean drift, linear in length; the weight π/μ's variance is what grows)"
     return measured, INCONCLUSIVE
 

@@ -267,18 +267,23 @@ def block_mean(values: torch.Tensor, mask: torch.Tensor, block: int = 128) -> tu
     return float(means.mean()), float(means.std() / len(sums) ** 0.5)
 
 
-def prefix_slope(ratio_log: torch.Tensor, mask: torch.Tensor, step: int = 64) -> tuple[float, float]:
+def prefix_slope(ratio_log: torch.Tensor, mask: torch.Tensor, step: int = 64, window: int = 256) -> tuple[float, float]:
     """Slope of the prefix log-ratio log π(y≤n)/μ(y≤n) against n, per 1K tokens, and its standard error.
 
-    Each sequence gives one least-squares slope over the prefixes n = step, 2·step, …; every sequence has the
-    same prefixes, so the pooled fit's slope is their mean, and its standard error is their spread over
-    √sequences (sequences are the independent units; prefixes of one sequence are not).
+    Each run of `window` tokens of each sequence gives one least-squares slope of its running log-ratio
+    against n = step, 2·step, … window; every run has the same prefixes, so the pooled fit's slope is their
+    mean, and its standard error is their spread over √runs. Runs far apart share little context, so they
+    are nearly independent, unlike the prefixes of one run. Needs at least two runs.
     """
     lengths = mask.sum(-1)
-    if bool((lengths != lengths[0]).any()) or ratio_log.shape[0] < 2:
-        raise ValueError("prefix_slope needs at least two sequences of one length.")
-    grid = torch.arange(step, int(lengths[0]) + 1, step)
-    prefixes = ratio_log.double().cumsum(-1)[:, grid - 1]
+    if bool((lengths != lengths[0]).any()):
+        raise ValueError("prefix_slope needs sequences of one length.")
+    window = min(window, int(lengths[0]))
+    grid = torch.arange(step, window + 1, step)
+    runs = ratio_log.double()[:, : int(lengths[0]) // window * window].reshape(-1, window)
+    if runs.shape[0] < 2 or grid.numel() < 2:
+        raise ValueError(f"prefix_slope needs at least two runs of {window} tokens and two prefixes of {step}.")
+    prefixes = runs.cumsum(-1)[:, grid - 1]
     slopes = torch.tensor([length_fit(grid, row).slope_per_1k for row in prefixes], dtype=torch.float64)
     return float(slopes.mean()), float(slopes.std() / slopes.numel() ** 0.5)
 

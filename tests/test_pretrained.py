@@ -43,8 +43,13 @@ def test_block_mean_takes_its_error_from_runs_of_tokens():
 def test_prefix_slope_is_the_mean_per_token_drift():
     # every token of row 0 drifts by -0.002, of row 1 by -0.004: slopes of -2 and -4 per 1K tokens
     ratio = torch.tensor([[-0.002] * 256, [-0.004] * 256], dtype=torch.float64)
-    slope, se = mismatch.prefix_slope(ratio, torch.ones_like(ratio), step=64)
+    slope, se = mismatch.prefix_slope(ratio, torch.ones_like(ratio), step=64, window=256)
     assert slope == pytest.approx(-3.0) and se == pytest.approx(1.0)
+    # one sequence, two windows of 128 tokens: the same slopes, their spread from the windows
+    one = torch.tensor([[-0.002] * 128 + [-0.004] * 128], dtype=torch.float64)
+    assert mismatch.prefix_slope(one, torch.ones_like(one), step=32, window=128) == pytest.approx((-3.0, 1.0))
+    with pytest.raises(ValueError, match="two runs"):
+        mismatch.prefix_slope(one, torch.ones_like(one), step=32, window=256)
 
 
 def test_by_probability_buckets_include_the_top_edge():

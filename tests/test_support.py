@@ -74,8 +74,9 @@ def test_chapter_run_writes_the_contract(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert set(data) == {"chapter", "profile", "seconds", "env", "metrics"}
     assert data["metrics"] == {"eps.float16": 2**-10, "flag": True}
-    assert set(data["env"]) == {"python", "torch", "transformers", "trl", "peft", "bitsandbytes",
-                                "accelerate", "device", "device_name", "cuda"}
+    assert set(data["env"]) == {"python", "torch", "transformers", "trl", "peft", "bitsandbytes", "accelerate",
+                                "gguf", "device", "device_name", "cuda", "cpu", "kernels"}
+    assert data["env"]["kernels"].startswith("aten ")  # the CPU's kernel set: another draws other numbers
     assert results.load("99_demo", tmp_path) == data
     assert [p.name for p in tmp_path.iterdir()] == ["99_demo.json"]  # no temporary left behind
 
