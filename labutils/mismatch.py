@@ -16,6 +16,7 @@ differently: E_μ[w] = 1 exactly at every length, its variance is Π_t (1 + χ²
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -299,3 +300,23 @@ def by_probability(per_token: torch.Tensor, probability: torch.Tensor, mask: tor
                      "mean": float(chunk.mean()) if chunk.numel() else float("nan"),
                      "stderr": float(chunk.std() / chunk.numel() ** 0.5) if chunk.numel() > 1 else float("nan")})
     return rows
+
+
+def paired_ratio(kl_a: torch.Tensor, mask_a: torch.Tensor, kl_b: torch.Tensor, mask_b: torch.Tensor,
+                 confidence: float = 0.95) -> tuple[float, float, float]:
+    """Ratio of two token KLs measured on the same prompts (row i of each), with a t interval over the prompts.
+
+    Each prompt gives log(mean KL_a / mean KL_b); their mean and spread over the prompts set the ratio and its
+    interval, so a prompt that is hard for both precisions does not count as evidence. Needs two prompts.
+    """
+    from scipy import stats
+
+    rows = min(kl_a.shape[0], kl_b.shape[0])
+    if rows < 2:
+        raise ValueError("a paired ratio needs at least two prompts measured in both precisions.")
+    per_a = (kl_a[:rows] * mask_a[:rows]).sum(-1) / mask_a[:rows].sum(-1)
+    per_b = (kl_b[:rows] * mask_b[:rows]).sum(-1) / mask_b[:rows].sum(-1)
+    logs = (per_a / per_b).double().log()
+    half = float(stats.t.ppf(0.5 + confidence / 2, rows - 1) * logs.std() / rows ** 0.5)
+    centre = float(logs.mean())
+    return math.exp(centre), math.exp(centre - half), math.exp(centre + half)

@@ -99,7 +99,7 @@ class RealPlan:
 
     sequences: tuple[tuple[str, int], ...]  # (precision, sequences): fp16 runs 20x slower than bf16 on a CPU
     length: int  # completion tokens per sequence, EOS banned
-    control_length: int  # the fp32 control's: its engines agree to rounding noise at any length
+    short_length: int  # fp16's and the fp32 control's, where each token costs more than bf16's (cpu: 256)
     micro_batch: int  # the training engine's sequences per forward (its logits are 196 KB per token)
     sample_batch: int  # sequences sampled at once (sampling reads every weight per token, whatever the batch)
     exact_sequences: int  # of each precision's sequences, those whose full distributions give the exact KL
@@ -129,9 +129,9 @@ class Profile:
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
-    real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 1), ("fp32", 2)), length=1024, control_length=256,
+    real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
                               exact_sequences=4, micro_batch=2, sample_batch=12, probe_sequences=4, probe_length=64,
-                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=8)
+                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=16)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -184,7 +184,7 @@ PROFILES = {
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
         scaler_steps=400,
-        real=RealPlan(sequences=(("bf16", 64), ("fp16", 64), ("fp32", 16)), length=2048, control_length=2048,
+        real=RealPlan(sequences=(("bf16", 64), ("fp16", 64), ("fp32", 16)), length=2048, short_length=2048,
                       exact_sequences=16, micro_batch=8,
                       sample_batch=16, probe_sequences=32, probe_length=1024, probe_layers=(30, 15, 8, 3),
                       speed_batch=32, speed_length=512),
@@ -217,7 +217,7 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         sampler=replace(gpu.sampler, dial_sequences=2, dial_length=128, bias_prompts=2, bias_batches=3, seeds=2,
                         eval_problems=8, eval_every=1),
         scaler_steps=2,
-        real=replace(gpu.real, sequences=(("bf16", 2), ("fp16", 2), ("fp32", 2)), length=24, control_length=24,
+        real=replace(gpu.real, sequences=(("bf16", 2), ("fp16", 2), ("fp32", 2)), length=24, short_length=24,
                      exact_sequences=2, micro_batch=2,
                      probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8),
     )

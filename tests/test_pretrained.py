@@ -56,3 +56,14 @@ def test_by_probability_buckets_include_the_top_edge():
     rows = mismatch.by_probability(torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0.005, 0.5, 1.0]]),
                                    torch.ones(1, 3), [0.0, 0.01, 0.9, 1.0])
     assert [r["count"] for r in rows] == [1, 1, 1] and rows[2]["mean"] == 3.0
+
+
+def test_paired_ratio_compares_each_prompt_with_itself():
+    mask = torch.ones(3, 4)
+    a = torch.tensor([[2.0] * 4, [20.0] * 4, [200.0] * 4])  # prompts of very different difficulty
+    b = a / 10
+    ratio, low, high = mismatch.paired_ratio(a, mask, b, mask)
+    assert ratio == pytest.approx(10.0) and low == pytest.approx(10.0) and high == pytest.approx(10.0)
+    b = b * torch.tensor([[1.0], [2.0], [0.5]])
+    ratio, low, high = mismatch.paired_ratio(a, mask, b, mask)
+    assert low < ratio < high and ratio == pytest.approx(10.0)
