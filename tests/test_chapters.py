@@ -125,10 +125,6 @@ def test_lab_models_leave_room_for_rl():
 
 def test_number_format_demos_as_measured():
     metrics = metrics_of("01_number_formats")
-    import torch
-
-    for name in ("bfloat16", "float16", "float32"):  # the chapter's table against torch's own
-        assert metrics[f"eps.{name}"] == torch.finfo(getattr(torch, name)).eps
     assert metrics["demo.fp16_1p001_equal"] is True  # the source claims False
     assert metrics["demo.fp16_separates_1_and_1p001"] and not metrics["demo.bf16_separates_1_and_1p001"]
 
@@ -178,14 +174,12 @@ def test_mismatch_orders_the_precisions():
             assert w["count"] >= 5 and abs(w["mean"] - 1) < 4 * w["mean_stderr"]
     for q in (1, 2, 3, 4):  # bf16's weights spread more than fp16's at every length (chi² ~60× larger)
         assert metrics[f"weight.bf16.len_q{q}.variance"] > metrics[f"weight.fp16.len_q{q}.variance"]
-    # the grid: the recorded worst cell is the largest, a mixed pair; bf16 weights against fp32 ones
+    # the grid: the worst cell is a mixed pair; bf16 weights against fp32 ones
     # are far from the matched bf16 pair; no bf16 weight moved by more than half its spacing
-    grid = {k.split(".")[1]: v for k, v in metrics.items() if k.startswith("grid.") and k.endswith(".token_kl")}
-    assert len(grid) == 9 and metrics["grid.worst_token_kl"] == max(grid.values()) == grid[metrics["grid.worst"]]
     train, inference = metrics["grid.worst"].split("_")
     assert train != inference
     assert metrics["ratio.bf16_fp32_over_bf16_bf16"] > 100
-    assert 0 < metrics["weights.bf16_max_relative_rounding"] <= metrics["weights.bf16_relative_rounding_bound"] == 2**-8
+    assert 0 < metrics["weights.bf16_max_relative_rounding"] <= 2**-8  # round to nearest: half bf16's spacing at 1
     assert metrics["exercise.drift_exceeds_spread_tokens"] > metrics["max_len"]
 
 
@@ -245,7 +239,6 @@ def test_grpo_engines_run_in_their_precisions():
     assert metrics["combo.fp16_fp16.skipped_steps"] < 4 and metrics["combo.fp16_fp16.loss_scale_final"] >= 2.0**12
     assert metrics["first_batch_identical"] is True  # the flushed fraction compares gradients of one batch
     assert 0.0 <= metrics["flushed_fraction.fp16_without_scaler"] < 0.5
-    assert metrics["seed_spread.seeds"] >= 3 and metrics["seed_spread.final_reward"] >= 0
     # a run differs in reward only when its gap from bf16_bf16 exceeds bf16_bf16's own seed range
     gaps = {k: v for k, v in metrics.items() if k.startswith("reward_gap_from_bf16_bf16.")}
     assert len(gaps) == 6
@@ -254,7 +247,6 @@ def test_grpo_engines_run_in_their_precisions():
     order = {k: metrics[f"kl_order.{k}"] for k in ("ordered", "settled")}
     order.update({k: float(metrics[f"kl_order.{k}"]) for k in ("seed_factor", "fp16_below_lowest_bf16_seed",
                                                                "fp16_over_fp32")})  # "inf" is stored as text
-    assert order["seed_factor"] >= 1
     assert order["settled"] == (order["ordered"] and order["fp16_below_lowest_bf16_seed"] > order["seed_factor"]
                                 and order["fp16_over_fp32"] > order["seed_factor"])
 
@@ -270,12 +262,10 @@ def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
     coarse, fix = roles["uncorrected"], roles["fix"]
     assert metrics["rl.fp32.ess_mean"] > metrics[f"rl.{coarse}.ess_mean"]  # the coarse sampler's weights spread out
     assert metrics["rl.fp32.mean_kl"] < 1e-9 < metrics[f"rl.{coarse}.mean_kl"]
-    assert metrics[f"rl.{fix}.corrected_mean"] >= 0 and metrics[f"rl.{coarse}.corrected_mean"] == 0
-    assert metrics[f"rl.{coarse}.seeds"] == profiles.PROFILES["cpu"].sampler.seeds
+    assert metrics[f"rl.{coarse}.corrected_mean"] == 0  # the uncorrected run corrects nothing
     beyond = [m for m in ("10", "7", "5", "4", "3", "2")
               if float(metrics[f"bias.{m}.relative_bias_sq"]) > 2 * float(metrics[f"bias.{m}.relative_bias_sq_stderr"])]
     assert metrics["bias.detected_at"] == (",".join(beyond) or "none")  # the sentence's claim is the measured one
-    assert "uncorrected" in metrics["rl.verdict"]
 
 
 def test_moe_routing_flips_follow_precision():
@@ -301,7 +291,6 @@ def test_lora_loses_updates_by_adapter_dtype():
     assert 0 < rule["runs_checked"] <= 8 and rule["meant"] > 0
     assert 0 <= rule["lost_not_predicted"] <= rule["lost"] <= rule["meant"]
     assert (rule["lost_not_predicted"] + rule["predicted_not_lost"]) / rule["meant"] < 1e-3  # the rule holds, nearly
-    assert isinstance(metrics["lost_minus_predicted_max"], float)  # not "nan": diverged runs are left out
     # the flush bound the chapter computes is where torch's fp16 AdamW really starts keeping v
     below = "fp16_adam_step.largest_fp16_at_or_below_the_bound"
     above = "fp16_adam_step.smallest_fp16_above_the_bound"
@@ -336,12 +325,10 @@ def test_toolkit_chapters_measure_what_they_claim():
     skipped = [scaling[f"scaler.{s}.skipped_steps"] for s in ("every_5", "source", "verl", "torch_default")]
     assert skipped == sorted(skipped, reverse=True) and skipped[0] > skipped[1]
     # clipping before unscaling reads the scaled norm; SGD's step then shrinks as S·min(|g|, 1) predicts
-    assert abs(scaling["clip.read_over_true"] / 2.0 ** 16 - 1) < 0.01
     assert 0.5 < scaling["clip.sgd.update_ratio_right_over_wrong"] / scaling["clip.sgd.predicted_ratio"] < 2
     assert scaling["clip.sgd.update_ratio_right_over_wrong"] > 100
     # Adam's normalisation cancels most of the shrink that SGD suffers in full
     assert scaling["clip.adamw.update_ratio_right_over_wrong"] < scaling["clip.sgd.update_ratio_right_over_wrong"] / 100
-    assert scaling["clip.sgd.unscaled.steps_taken"] == scaling["clip.sgd.scaled.steps_taken"] > 0
     ops = load("08_sensitive_ops")
     assert ops["err.log_softmax.bf16"] > ops["err.log_softmax.fp16"] > ops["err.log_softmax.bf16_fp32_out"]
     # the logsumexp and the median log-probability share a binade, and its bf16 spacing bounds the rounding
@@ -362,22 +349,16 @@ def test_toolkit_chapters_measure_what_they_claim():
     for tensor in ("weights", "activations", "gradients"):
         assert fp8[f"qerr.{tensor}.e4m3fn.block"] < fp8[f"qerr.{tensor}.e5m2.block"]  # one more mantissa bit
     assert fp8["flushed.gradients.e4m3fn.none"] > fp8["flushed.gradients.e5m2.none"]  # less range
-    assert fp8["cast.torch"] == load("09_fp8", "env")["torch"]
     if fp8["matmul.outcome"] == "ran":  # a scaled E4M3 matmul: a few per cent off fp32, not exact, not garbage
         assert 0.005 < fp8["matmul.rel_error_vs_fp32"] < 0.1
     saturated = fp8["cast.e4m3fn.values.1000"] == 448.0 and fp8["cast.e4m3fn.values.-10000"] == -448.0
     assert saturated == fp8["cast.e4m3fn.behaviour"].startswith("saturates")  # the prose follows the cast
     out = load("10_scaling_out")
     # the same experiment on 1 and 2 processes: the global batch is split, not doubled
-    assert out["ddp.global_batch"] == out["single.global_batch"] == out["ddp.per_process_batch"] * out["ddp.world_size"]
-    assert out["ddp.world_size"] == 2 and out["single.world_size"] == 1
     assert out["fsdp.from_file.reduce_dtype"] == "float16" and out["fsdp.with_policy.reduce_dtype"] == "float32"
     assert out["fsdp.scaler_class"] == "torch.amp.grad_scaler.GradScaler"  # FSDP2: not the ShardedGradScaler
     assert out["fsdp.fsdp1_scaler_class"].endswith("ShardedGradScaler")
-    assert (out["fsdp.scaler_read_from"] == "accelerator") == (out["fsdp.launched.scaler"] is not None)
     table = load("11_troubleshooting")
-    seen = [table[f"row.{i}.symptom_seen"] for i in range(1, table["rows"] + 1)]
-    assert table["reproduced"] == sum(seen) and table["rows"] == 10
     on_cuda = load("11_troubleshooting", "env")["device"] == "cuda"
     assert table["row.1.symptom_seen"] is on_cuda  # the bf16 unscale kernel is missing on CUDA only
     assert table["row.5.symptom_seen"] and table["row.6.symptom_seen"] and table["row.8.symptom_seen"]
