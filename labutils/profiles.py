@@ -129,8 +129,8 @@ class Profile:
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
-    real: RealPlan = RealPlan(sequences=(("bf16", 16), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
-                              exact_sequences=4, micro_batch=2, sample_batch=16, probe_sequences=4, probe_length=64,
+    real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
+                              exact_sequences=4, micro_batch=2, sample_batch=12, probe_sequences=4, probe_length=64,
                               probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=16)
 
 
