@@ -239,8 +239,9 @@ CLAIMS = [
               f"the lab model's fp16 run (dynamic scale from 2^16) ends at 2^{math.log2(scale):.0f} with {skipped} of "
               f"{steps} steps skipped; the scale settles where the largest gradient allows, a property of the model, "
               "not of fp16 (the gradient norm is not measured here)",
-              CONTRADICTED + " (a healthy run outside the band)" if not 14 <= math.log2(scale) <= 16
-              and skipped <= 0.05 * steps else INCONCLUSIVE + " (one model inside the band says nothing general)")),
+              INCONCLUSIVE + " (one model inside the band says nothing general)" if 14 <= math.log2(scale) <= 16
+              else CONTRADICTED + " (a healthy run outside the band)" if skipped <= 0.05 * steps
+              else INCONCLUSIVE + " (outside the band, but with more than 5% of its steps skipped)")),
     Claim("paper", "BF16 RL training degrades or collapses where FP16 does not.",
           "Its BF16 runs degrade or collapse; its FP16 runs do not.", "05b_sampler_precision",
           tuple(f"decisive.bf16_{k}" for k in ("basis", "seeds", "steps", "gap", "noise")), _bf16_degrades),
