@@ -36,14 +36,7 @@ def kernel_set() -> str:
 
     import torch
 
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    flags = cpu_flags()
     parts = [f"aten {torch.backends.cpu.get_cpu_capability()}",
              f"onednn max {os.environ.get('ONEDNN_MAX_CPU_ISA', 'default')}",
              "cpu " + (",".join(f for f in KERNEL_FLAGS if f in flags) or "?")]
@@ -66,3 +59,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (from /proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()

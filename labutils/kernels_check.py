@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 STEMS = ("04_mismatch", "05_grpo_precision", "05b_sampler_precision", "06_moe")
 TESTS = ("test_mismatch_orders_the_precisions or test_grpo_engines_run_in_their_precisions or "
@@ -30,13 +29,6 @@ def other_kernels(flags: set[str]) -> dict:
     if "avx512f" in flags:
         return {"ONEDNN_MAX_CPU_ISA": "AVX2"}
     return {"ATEN_CPU_CAPABILITY": "default"}
-
-
-def _flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def verdicts(results: Path) -> dict:
@@ -53,7 +45,9 @@ def main() -> int:
     from . import pipeline
 
     start = time.perf_counter()
-    env = other_kernels(_flags())
+    from .env import cpu_flags
+
+    env = other_kernels(cpu_flags())
     os.environ.update(env)
     print("second kernel set: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     build = pipeline.BUILD / "kernels"
