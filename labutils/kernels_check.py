@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 STEMS = ("04_mismatch", "05_grpo_precision", "05b_sampler_precision", "06_moe")
 TESTS = ("test_mismatch_orders_the_precisions or test_grpo_engines_run_in_their_precisions or "
