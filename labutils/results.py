@@ -158,10 +158,11 @@ def provenance(chapter: str, folder: Path | None = None):
 
     data = load(chapter, folder)
     env = data["env"]
-    device = env["device_name"] if env["device"] == "cpu" else f"{env['device_name']} (CUDA {env['cuda']})"
+    device = env.get("cpu", env["device_name"]) if env["device"] == "cpu" else f"{env['device_name']} (CUDA {env['cuda']})"
+    kernels = f", kernels {env['kernels']}" if env["device"] == "cpu" and env.get("kernels") else ""
     libraries = ", ".join(f"{lib} {env[lib]}" for lib in ("torch", "transformers", "trl", "peft", "accelerate",
                                                           "bitsandbytes") if lib in env)
-    record = Markdown(f"*Provenance:* `{data['profile']}` profile on {env['device']} ({device}), "
+    record = Markdown(f"*Provenance:* `{data['profile']}` profile on {env['device']} ({device}{kernels}), "
                       f"Python {env['python']}, {libraries}; executed in {data['seconds']:.1f} s. "
                       f"Every number on this page comes from this run "
                       f"(`{_relative(folder or results_dir())}/{chapter}.json`).")

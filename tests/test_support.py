@@ -182,6 +182,7 @@ def test_provenance_and_gpu_reference_read_the_files(tmp_path, monkeypatch):
     run.save()
     text = results.provenance("99_demo").data
     assert "`cpu` profile on cpu" in text and "_build/results/99_demo.json" in text
+    assert "kernels aten" in text  # the CPU kernel set that drew these numbers
     (tmp_path / "_toc.yml").write_text("root: intro\n")
     monkeypatch.chdir(tmp_path)
     assert results.gpu_reference("99_demo") is None
