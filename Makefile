@@ -42,10 +42,10 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 chapters: $(STAMP)
-	$(PY) -m labutils.pipeline execute --profile $(PROFILE)
+	$(PY) -m bookbuild.pipeline execute --profile $(PROFILE)
 
 book: $(STAMP)
-	$(PY) -m labutils.pipeline book --profile $(PROFILE)
+	$(PY) -m bookbuild.pipeline book --profile $(PROFILE)
 
 test: $(STAMP) browser
 	$(PY) -m pytest
@@ -53,7 +53,7 @@ test: $(STAMP) browser
 # Chapters 4, 5, 5b and 6 executed again under another CPU kernel set, their metric tests run on those
 # results, and their ledger verdicts compared with the default kernels' (after make test, which built the rest)
 kernels-check: $(STAMP)
-	$(PY) -m labutils.kernels_check
+	$(PY) -m bookbuild.kernels_check
 
 # Debian's chromium for `make pdf` and the browser tests (tests/test_site.py, tests/test_pdf.py), installed
 # only where we are root with apt-get; elsewhere install it yourself or set CHROMIUM=/path/to/chromium, or the test is skipped.
@@ -66,11 +66,11 @@ browser:
 # The book as one PDF, printed from its HTML by headless Chromium (no LaTeX): _build/book.pdf, and a
 # copy in _build/html that the landing page links to.
 pdf: $(STAMP) browser
-	CHROMIUM=$(CHROMIUM) $(PY) -m labutils.pipeline pdf --profile $(PROFILE)
+	CHROMIUM=$(CHROMIUM) $(PY) -m bookbuild.pipeline pdf --profile $(PROFILE)
 
 # COMPARE=1: the whole book executed twice from scratch, serially and two at a time, and the ratio
 bench:
-	$(PY) -m labutils.pipeline bench $(if $(COMPARE),--compare)
+	$(PY) -m bookbuild.pipeline bench $(if $(COMPARE),--compare)
 
 # The long run behind chapter 5b's verdict: the uncorrected coarse sampler vs matched fp32 vs token
 # TIS vs bf16, 8 seeds × over 10× the chapter's steps, on every core (21 minutes on 2 cores). Writes
@@ -79,17 +79,17 @@ long: $(STAMP)
 	$(PY) -m labutils.mismatch_rl long
 
 # Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
-# each participant also runs on their own machine (python -m labutils.workshop_check check).
+# each participant also runs on their own machine (python -m bookbuild.workshop_check check).
 workshop-prep: $(STAMP)
-	$(PY) -m labutils.workshop_check prepare --profile $(PROFILE)
-	$(PY) -m labutils.workshop_check check
+	$(PY) -m bookbuild.workshop_check prepare --profile $(PROFILE)
+	$(PY) -m bookbuild.workshop_check check
 
 # Wheels for a CUDA machine without network (a lent GPU box, an air-gapped server): what the book needs
 # beyond that machine's own torch, CUDA, scientific and Hugging Face stacks, for its Python, under 60 MB.
 PYVER ?= 3.12
 WHEELS ?= .whl
 wheels: $(STAMP)
-	$(PY) -m labutils.wheels --python $(PYVER) --dest $(WHEELS)
+	$(PY) -m bookbuild.wheels --python $(PYVER) --dest $(WHEELS)
 
 # On that CUDA machine, with its own Python and torch and the wheel folder brought along: every chapter in
 # the trimmed gpu profile, sized for a six-minute run on one H200 (`--budget` stops it in time), results
@@ -97,8 +97,8 @@ wheels: $(STAMP)
 GPU_PYTHON ?= python3
 GPU_SITE ?= /tmp/precision-lab-site
 gpu-check:
-	$(GPU_PYTHON) -m labutils.gpu_check install --wheels $(WHEELS) --target $(GPU_SITE)
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) -m labutils.gpu_check run
+	$(GPU_PYTHON) -m bookbuild.gpu_check install --wheels $(WHEELS) --target $(GPU_SITE)
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) -m bookbuild.gpu_check run
 
 clean:
 	rm -rf _build

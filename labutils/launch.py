@@ -17,7 +17,6 @@ import logging
 import os
 from pathlib import Path
 
-from . import warm
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,5 +58,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    warm.hand_over("labutils.launch")  # started by `accelerate launch`: in a warm child where the book's build runs one
     main()

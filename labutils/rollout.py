@@ -108,14 +108,12 @@ class Rollout:
 class InferenceEngine:
     """A private copy of the policy in `dtype` that samples with a KV cache.
 
-    `dial` (a `sampler_precision` name or Dial: fp8, fp8_channel, m2 … m10) makes the fp32 copy
-    compute like an FP8 or an emulated low-precision serving engine; see `sampler_precision`.
+    `dial` (a `sampler_precision.Dial`: fp8, fp8_channel, m2 … m10) makes the copy compute like an FP8
+    or an emulated low-precision serving engine; `sampler_precision.engine(name)` builds one.
     """
 
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu", dial=None):
-        from . import sampler_precision
-
-        self.dial = sampler_precision.parse(dial) if isinstance(dial, str) else dial
+        self.dial = dial
         if self.dial is not None and DTYPES[self.dial.engine_dtype] != dtype:
             raise ValueError(f"sampler precision {self.dial.name!r} runs on {self.dial.engine_dtype} weights, "
                              f"not {dtype}; build the engine with sampler_precision.engine().")

@@ -9,4 +9,4 @@ import transformers.models.qwen2.modeling_qwen2  # noqa: E402,F401
 import trl.trainer.grpo_trainer  # noqa: E402,F401
 import gc  # noqa: E402
 
-gc.freeze()  # as labutils.warm's server does: the workers' collections leave the shared heap alone
+gc.freeze()  # as bookbuild.warm's server does: the workers' collections leave the shared heap alone

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fp8
+from . import fp8, rollout
 
 REAL = ("fp32", "bf16", "fp16")
 FP8 = {"fp8": ("tensor", "tensor"), "fp8_channel": ("channel", "token")}  # (weight scale, activation scale)
@@ -149,7 +149,5 @@ def parse(name: str, fp32_head: bool = False) -> Dial:
 
 def engine(model, name: str, device: str = "cpu", fp32_head: bool = False):
     """An InferenceEngine at dial setting `name`, with a private copy of `model`'s weights."""
-    from . import rollout
-
     dial = parse(name, fp32_head)
     return rollout.InferenceEngine(model, rollout.engine_dtype(dial.engine_dtype, device), device, dial=dial)

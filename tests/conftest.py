@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils import models, pipeline, profiles
+from labutils import models, profiles
+from bookbuild import pipeline
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def lab_cache(tmp_path, monkeypatch):
 
 
 class WholeBook:
-    """Every chapter executed by `python -m labutils.pipeline execute`, in a process group of its own.
+    """Every chapter executed by `python -m bookbuild.pipeline execute`, in a process group of its own.
 
     The session starts it once it knows a selected test needs it, and runs the tests that do last, so
     that the chapters execute while the quick tests run beside them. `after`: another execution
@@ -56,7 +57,7 @@ class WholeBook:
             with (SCRATCH / f"{self.args[1]}.log").open("w") as log:
                 self.log = Path(log.name)
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "labutils.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
+                    [sys.executable, "-m", "bookbuild.pipeline", "execute", *self.args], cwd=pipeline.ROOT,
                     env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         self.starter = threading.Thread(target=launch, daemon=True)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labutils import mismatch_rl, pipeline, profiles
+from labutils import mismatch_rl, profiles
+from bookbuild import pipeline
 
 # `make kernels-check` points the metric tests at chapters it executed under another kernel set
 CHECKED = os.environ.get("LAB_CHECK_RESULTS")
@@ -368,7 +369,7 @@ def test_toolkit_chapters_measure_what_they_claim():
 
 
 def test_claims_ledger_judges_every_claim_from_this_builds_results():
-    from labutils import ledger
+    from bookbuild import ledger
 
     text = ledger.page(pipeline.ROOT)
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]

@@ -6,7 +6,7 @@ import subprocess
 import jupytext
 import pytest
 
-from labutils import colab, pipeline
+from bookbuild import colab, pipeline
 
 VERSIONS = {"transformers": "5.24.0", "trl": "1.16.0", "peft": "0.21.2", "bitsandbytes": "0.50.2",
             "accelerate": "1.15.0", "torch": "2.13.0+cpu"}

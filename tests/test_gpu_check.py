@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from labutils import gpu_check, models, pipeline, profiles, wheels
+from labutils import models, profiles
+from bookbuild import gpu_check, pipeline, wheels
 
 
 @pytest.fixture(scope="module")

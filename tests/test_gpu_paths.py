@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from labutils import pipeline, profiles
+from labutils import profiles
+from bookbuild import pipeline
 
 # Lines that branch on CUDA: only a GPU executes their CUDA side (everything else runs here).
 CUDA_ONLY = {

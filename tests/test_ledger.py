@@ -1,7 +1,7 @@
 """Every verdict of the claims ledger is a function of measurements that can come out more than one way."""
 import pytest
 
-from labutils import ledger
+from bookbuild import ledger
 
 def _claim(words):
     return next(c for c in ledger.CLAIMS if words in c.says)
@@ -107,7 +107,7 @@ def test_the_verdict_comes_right_after_the_claims_number_as_a_badge():
 
 
 def test_a_cell_with_a_pipe_does_not_split_the_row():
-    from labutils.status import table
+    from bookbuild.status import table
 
     text = table(["a", "b"], [["x | y", "z"]])
     assert text.splitlines()[2] == "| x \\| y | z |"

@@ -15,7 +15,7 @@ from html import unescape
 import numpy as np
 import pytest
 
-from labutils import pdf, pipeline
+from bookbuild import pdf, pipeline
 from test_site import _need_chromium
 
 HIDDEN = {"remove-cell", "remove-output", "hide-output"}  # outputs that a printed page does not show

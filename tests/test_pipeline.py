@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from labutils import pipeline, warm
+from bookbuild import pipeline, warm
 
 CHAPTER = """---
 jupytext:

@@ -1,7 +1,7 @@
 """The ledger's verdicts on chapter 2's and chapter 5's claims, on inputs those chapters can produce."""
 import pytest
 
-from labutils import ledger
+from bookbuild import ledger
 
 BFLOAT16 = "\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'"
 

@@ -159,7 +159,7 @@ def test_seed_noise_uses_the_t_quantile_and_the_evaluations_binomial_floor():
 
 
 def test_ledger_consequence_claims_turn_on_the_measurements():
-    from labutils import ledger
+    from bookbuild import ledger
 
     bf16, coarse, restores = (next(c for c in ledger.CLAIMS if c.chapter == "05b_sampler_precision" and key in c.says)
                               for key in ("BF16 RL", "magnified", "restore"))

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import yaml
 
-from labutils import colab, ledger, pipeline
-from labutils.pdf import CHROMIUM, CHROMIUM_ARGS, served
+from bookbuild import colab, ledger, pipeline
+from bookbuild.pdf import CHROMIUM, CHROMIUM_ARGS, served
 
 REDIRECT = re.compile(r'<meta http-equiv="Refresh" content="0; url=([^"]+)"', re.I)
 LANDING = "intro.html"  # index.html only redirects here

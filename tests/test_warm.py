@@ -1,4 +1,4 @@
-"""labutils.warm: `python -m labutils.warm MODULE` behaves like `python -m MODULE`, forked from a warm server."""
+"""bookbuild.warm: `python -m bookbuild.warm MODULE` behaves like `python -m MODULE`, forked from a warm server."""
 import os
 import signal
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from labutils import warm
+from bookbuild import warm
 
 # `fractions` is one module a fresh interpreter does not import at start: found at once, the child was forked
 PROBE = """
@@ -34,7 +34,7 @@ def _ask(folder, *args, socket_path=None, **popen):
     env = {k: v for k, v in os.environ.items() if k != warm.SOCKET} | {"ASKED": "yes", "PYTHONPATH": str(folder)}
     if socket_path:
         env[warm.SOCKET] = socket_path
-    return subprocess.Popen([sys.executable, "-m", "labutils.warm", "warm_probe", *args], cwd=folder, env=env,
+    return subprocess.Popen([sys.executable, "-m", "bookbuild.warm", "warm_probe", *args], cwd=folder, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -54,7 +54,7 @@ def test_a_warm_child_runs_at_the_askers_nice(probe):
     with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("fractions",)) as path:
         assert path is not None
         env = dict(os.environ, PYTHONPATH=str(probe), **{warm.SOCKET: path})
-        done = subprocess.run([sys.executable, "-m", "labutils.warm", "nice_probe"], cwd=probe, env=env,
+        done = subprocess.run([sys.executable, "-m", "bookbuild.warm", "nice_probe"], cwd=probe, env=env,
                               capture_output=True, text=True, preexec_fn=lambda: os.nice(7), timeout=60)
     assert done.stdout.strip() == str(expected), done.stderr  # the asker's nice, not the server's
 
@@ -63,18 +63,6 @@ def test_without_a_server_the_asker_runs_the_module_itself(probe):
     asked = _ask(probe, "a", socket_path=str(probe / "no-such-socket"))
     out, _ = asked.communicate(timeout=60)
     assert out.split()[:3] == ["fresh", str(probe), "yes"] and asked.returncode == 3
-
-
-def test_a_script_hands_itself_over_to_the_server_once(probe):
-    (probe / "handover_probe.py").write_text("import sys\nfrom labutils import warm\nwarm.hand_over('handover_probe')\n"
-                                             "print('preloaded' if 'fractions' in sys.modules else 'fresh', sys.argv[1:])\n")
-    env = {k: v for k, v in os.environ.items() if k != warm.SOCKET} | {"PYTHONPATH": str(probe)}
-    with warm.server(dict(os.environ, OMP_NUM_THREADS="1"), libraries=("fractions",)) as path:
-        assert path is not None
-        for socket_path, expected in ((path, "preloaded"), (str(probe / "no-such-socket"), "fresh")):
-            done = subprocess.run([sys.executable, "-m", "handover_probe", "x"], cwd=probe, capture_output=True,
-                                  text=True, env=env | {warm.SOCKET: socket_path}, timeout=60)
-            assert done.stdout.split() == [expected, "['x']"], done.stderr  # once: the child does not ask again
 
 
 def test_signals_reach_the_child_and_a_killed_asker_takes_it_down(probe):

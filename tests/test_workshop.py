@@ -1,7 +1,7 @@
 """The workshop page is a teaching plan built from this build's chapters and results."""
 import json
 
-from labutils import pipeline, workshop
+from bookbuild import pipeline, workshop
 
 
 def test_every_block_with_chapters_has_objectives_prerequisites_and_real_exercises():

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 from . import colab
-from .env import LIBRARIES, cpu_model, kernel_set
-from .results import load_all
+from .layout import chapters
+from labutils.env import LIBRARIES, cpu_model, kernel_set
+from labutils.results import load_all
 
 # A chapter whose executed notebook is newer than this was executed by this process (this build);
 # an older one was reused because its source, labutils and parameters were unchanged.
@@ -28,12 +29,6 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows])
 
 
-def _stems(root: Path) -> list[str]:
-    from .pipeline import chapters  # the pipeline imports this module: import at call time
-
-    return chapters(root)
-
-
 def _runs(root: Path) -> tuple[dict, dict]:
     return load_all(root / "_build" / "results"), load_all(root / "results" / "gpu")
 
@@ -43,7 +38,7 @@ def timings(root: Path) -> dict[str, dict[str, float | None]]:
     "gpu": s}}, None where not measured."""
     cpu, gpu = _runs(root)
     return {stem: {"build": cpu.get(stem, {}).get("seconds"), "gpu": gpu.get(stem, {}).get("seconds")}
-            for stem in _stems(root)}
+            for stem in chapters(root)}
 
 
 def seconds(value: float | None) -> str:
@@ -78,7 +73,7 @@ def _listing(versions: dict) -> str:
 def page(root: Path) -> str:
     """The build-status page as MyST Markdown."""
     cpu, gpu = _runs(root)
-    stems = _stems(root)
+    stems = chapters(root)
     commit = colab.revision(root)
     shared, differ = _versions(cpu)
     header = ["chapter", "this build", "ran (UTC)", "profile", "device", "seconds"]

@@ -1,6 +1,6 @@
 """The toy chapters whose numbers move with the CPU's kernels, executed again under another kernel set.
 
-    python -m labutils.kernels_check        (make kernels-check; CI runs it after make test)
+    python -m bookbuild.kernels_check        (make kernels-check; CI runs it after make test)
 
 The same seed draws other floats under other kernels, and so other samples: a test or a ledger verdict
 that passes under one kernel set only is tuned to one machine's draw. This executes chapters 4, 5, 5b
@@ -35,7 +35,7 @@ def other_kernels(flags: set[str]) -> dict:
 def verdicts(results: Path) -> dict:
     """Ledger verdict per claim number, for the claims of STEMS, judged on the results in `results`."""
     from . import ledger
-    from .results import load_all
+    from labutils.results import load_all
 
     runs = load_all(results)
     return {i: ledger._evaluate(claim, runs)[1].split(" (")[0]
@@ -46,7 +46,7 @@ def main() -> int:
     from . import pipeline
 
     start = time.perf_counter()
-    from .env import cpu_flags
+    from labutils.env import cpu_flags
 
     env = other_kernels(cpu_flags())
     os.environ.update(env)
@@ -54,7 +54,7 @@ def main() -> int:
     build = pipeline.BUILD / "kernels"
     shutil.rmtree(build / "results", ignore_errors=True)
     pipeline.execute_all(list(STEMS), "cpu", jobs=2, build=build)
-    from .env import kernel_set
+    from labutils.env import kernel_set
 
     for stem in STEMS:
         data = json.loads((build / "results" / f"{stem}.json").read_text())

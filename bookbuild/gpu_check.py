@@ -1,8 +1,8 @@
 """The GPU check: every chapter in the trimmed gpu profile on a CUDA machine without network.
 
-    python -m labutils.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
-    python -m labutils.gpu_check expect   # per chapter: computed memory estimate, L4/A100 fit, GPU seconds if run
-    PYTHONPATH=/tmp/precision-lab-site:. python -m labutils.gpu_check run [STEM ...] [--budget 330]
+    python -m bookbuild.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
+    python -m bookbuild.gpu_check expect   # per chapter: computed memory estimate, L4/A100 fit, GPU seconds if run
+    PYTHONPATH=/tmp/precision-lab-site:. python -m bookbuild.gpu_check run [STEM ...] [--budget 330]
     make gpu-check        # both, with that machine's own Python and torch
 
 `install` needs only the standard library: it runs before the book's libraries exist. It installs
@@ -96,7 +96,7 @@ def memory_estimate(profile) -> dict[str, float]:
     the batch: half the sequences at half the length) with its per-token log-probabilities over the
     vocabulary; and fp32 logits. `make gpu-check` records the measured peaks where chapters do.
     """
-    from . import task
+    from labutils import task
 
     vocab = 32  # the lab's character vocabulary, rounded up
 
@@ -203,7 +203,7 @@ def engines_agree(device: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import models, profiles, rollout
+    from labutils import models, profiles, rollout
 
     torch.manual_seed(0)
     tokenizer = models.build_tokenizer()
@@ -220,7 +220,8 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
     """Execute `stems` (all chapters by default) within `budget` seconds; returns {stem: outcome}."""
     import torch
 
-    from . import pipeline, profiles
+    from labutils import profiles
+    from . import pipeline
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check run needs a CUDA GPU, and torch sees none here.")
@@ -260,7 +261,8 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
 
 def expectations(root: Path = ROOT) -> list[dict]:
     """Per chapter: the computed memory estimate against an L4 and a 40 GB A100, and the H200 run's seconds if any."""
-    from . import pipeline, profiles
+    from labutils import profiles
+    from . import pipeline
 
     memory = memory_estimate(profiles.PROFILES["gpu"])
     rows = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .results import load_all
+from labutils.results import load_all
 from .status import table
 
 CONFIRMED, CONTRADICTED = "confirmed", "contradicted"  # decided beyond the measurement's noise

@@ -1,10 +1,10 @@
 """Wheels for a CUDA machine without network: everything the book needs beyond that machine's torch stack.
 
-    python -m labutils.wheels [--python 3.12] [--dest .whl]
+    python -m bookbuild.wheels [--python 3.12] [--dest .whl]
 
 The versions are this environment's, so a GPU run uses the libraries the cpu build was measured
 with. The GPU machine's own Python keeps its torch, CUDA libraries and scientific stack (PROVIDED);
-`labutils.gpu_check install` installs from the folder only what that machine lacks, plus the
+`bookbuild.gpu_check install` installs from the folder only what that machine lacks, plus the
 libraries whose versions the chapters are about (MATCH), which it always takes from the folder.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Before a workshop: the models its exercises need, built once, and a short check a participant can run.
 
-    python -m labutils.workshop_check prepare   # the lab's models for the seeds the exercises use
-    python -m labutils.workshop_check check     # about two minutes: libraries, a kernel, 4-bit, one GRPO step
+    python -m bookbuild.workshop_check prepare   # the lab's models for the seeds the exercises use
+    python -m bookbuild.workshop_check check     # about two minutes: libraries, a kernel, 4-bit, one GRPO step
 
 Both use the cpu profile unless told otherwise; `make workshop-prep` runs both.
 """
@@ -17,7 +17,7 @@ SEEDS = (0, 1)  # the book's seed, and the second seed chapter 0's first exercis
 
 def prepare(profile_name: str = "cpu") -> list[str]:
     """Build (or find) the dense and MoE lab models for every seed the exercises use; returns their folders."""
-    from . import models, profiles
+    from labutils import models, profiles
 
     profile = profiles.resolve(profile_name)
     built = []
@@ -40,7 +40,8 @@ def check() -> None:
     """Libraries, a notebook kernel, bitsandbytes' 4-bit layer, and one GRPO step of trl on a tiny model."""
     import torch
 
-    from . import env_report, grpo, models, pipeline, profiles, rollout
+    from labutils import env_report, grpo, models, profiles, rollout
+    from . import pipeline
 
     report = env_report()
     print(", ".join(f"{k} {v}" for k, v in report.items()))

@@ -3,7 +3,7 @@
 A fresh Python process on the lab's machine spends about 8 s of CPU importing torch, transformers'
 model classes, trl, peft and bitsandbytes before it computes anything, and building the book starts
 dozens of them: a pipeline process and a kernel per chapter, a process per lab model. `serve` imports
-those libraries once and forks a child per request. `python -m labutils.warm MODULE ARGS…` asks it:
+those libraries once and forks a child per request. `python -m bookbuild.warm MODULE ARGS…` asks it:
 the child runs the module with the asker's arguments, working directory, environment and standard
 streams; the asker passes signals on, exits with the child's status, and takes the child down if
 its own parent dies. Where no server answers (LAB_WARM unset, or the server gone), it runs the
@@ -196,16 +196,12 @@ def _kill_group(pid: int) -> None:
             kill(pid, signal.SIGKILL)
 
 
-_IN_CHILD = False  # True in a forked child
-
-
 def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     """Become `python -m MODULE ARGS…` in the asker's directory, environment and streams."""
     import runpy
     import traceback
 
-    global _IN_CHILD
-    code, _IN_CHILD = 1, True
+    code = 1
     try:
         conn.close()
         os.setsid()  # a process group of its own: signals and a kill reach what it starts too
@@ -249,7 +245,7 @@ def server(env: dict, libraries=LIBRARIES, timeout: float = 300.0):
 
     with tempfile.TemporaryDirectory(prefix="warm-") as folder:
         path = str(Path(folder) / "socket")
-        process = subprocess.Popen([sys.executable, "-c", f"from labutils.warm import serve; serve({path!r}, {tuple(libraries)!r})"],
+        process = subprocess.Popen([sys.executable, "-c", f"from bookbuild.warm import serve; serve({path!r}, {tuple(libraries)!r})"],
                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    start_new_session=True)
         answer, deadline = "", time.monotonic() + timeout
@@ -323,16 +319,7 @@ def run(module: str, args: list[str]) -> int:
     return done["status"] if done["status"] >= 0 else 128 - done["status"]  # killed by a signal: as a shell says
 
 
-def hand_over(module: str) -> None:
-    """For a script that a launcher starts as a fresh `python -m module` (accelerate's workers): where a server
-    answers, run it in a warm child instead, with this process's arguments, and exit with its status. Nothing
-    happens in a warm child, which has the libraries already, or where LAB_WARM is unset; where it names a
-    server that is gone, this process starts again as `python -m module`, without LAB_WARM."""
-    if os.environ.get(SOCKET) and not _IN_CHILD:
-        sys.exit(run(module, sys.argv[1:]))
-
-
 if __name__ == "__main__":
     if len(sys.argv) < 2:
-        sys.exit("usage: python -m labutils.warm MODULE [ARGS…]")
+        sys.exit("usage: python -m bookbuild.warm MODULE [ARGS…]")
     sys.exit(run(sys.argv[1], sys.argv[2:]))

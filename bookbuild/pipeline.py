@@ -1,8 +1,8 @@
 """Execute chapters with papermill (once, cached by fingerprint) and build the HTML book from them.
 
-    python -m labutils.pipeline execute [--profile cpu] [STEM ...]
-    python -m labutils.pipeline book [--profile auto]
-    python -m labutils.pipeline bench
+    python -m bookbuild.pipeline execute [--profile cpu] [STEM ...]
+    python -m bookbuild.pipeline book [--profile auto]
+    python -m bookbuild.pipeline bench
 """
 from __future__ import annotations
 
@@ -20,37 +20,23 @@ import sys
 import time
 from pathlib import Path
 
-from . import colab, ledger, warm, workshop
-
-ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "_build"
-SITE = BUILD / "site"  # the book's sources as Sphinx sees them: pages plus executed notebooks
-PAGES = ("_toc.yml", "intro.md", "references.bib")
-
-
-def chapters(root: Path = ROOT) -> list[str]:
-    """Chapter stems in table-of-contents order."""
-    return re.findall(r"chapters/([A-Za-z0-9_]+)", (root / "_toc.yml").read_text())
+from . import colab, ledger, pdf, status, warm, workshop
+from .layout import BUILD, PAGES, ROOT, SITE, chapters
 
 
 def resolve_profile(profile: str) -> str:
     """'auto' -> the profile a chapter would pick here (any other value goes to the chapter to reject)."""
-    from . import profiles
+    from labutils import profiles
 
     return profiles.resolve(profile).name if profile == "auto" else profile
 
 
-# the build's own machinery: no chapter imports it, so editing it re-executes nothing
-NOT_CHAPTER_CODE = {"pipeline.py", "warm.py", "ledger.py", "workshop.py", "status.py", "pdf.py", "gpu_check.py", "wheels.py",
-                    "workshop_check.py", "colab.py", "kernels_check.py"}
-
-
 def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
-    """Hash of a chapter's source, the labutils code chapters run, and its parameters."""
+    """Hash of a chapter's source, the labutils code chapters run (the build's own code is not in it), its
+    parameters and the environment."""
     digest = hashlib.sha256((root / "chapters" / f"{stem}.md").read_bytes())
     for module in sorted((root / "labutils").rglob("*.py")):
-        if module.name not in NOT_CHAPTER_CODE:
-            digest.update(module.name.encode() + module.read_bytes())
+        digest.update(module.name.encode() + module.read_bytes())
     digest.update(json.dumps(parameters, sort_keys=True).encode())
     digest.update(json.dumps(environment(), sort_keys=True).encode())
     return digest.hexdigest()
@@ -60,7 +46,7 @@ def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
 def environment() -> dict:
     """What else decides a chapter's numbers: the libraries' installed versions and the CPU's kernel set.
     Results from another environment are executed again, never published."""
-    from . import env
+    from labutils import env
 
     return {"libraries": {name: env.installed_version(name) for name in env.LIBRARIES}, "kernels": env.kernel_set()}
 
@@ -164,8 +150,8 @@ REQUIRED = {"error-required": ("cpu", "cuda"), "error-required-cuda": ("cuda",),
 
 
 def _warm_kernelspec(folder: Path) -> Path:
-    """A `python3` kernelspec under `folder` (for JUPYTER_PATH) that starts the kernel through labutils.warm."""
-    spec = {"argv": [sys.executable, "-m", "labutils.warm", "ipykernel_launcher", "-f", "{connection_file}"],
+    """A `python3` kernelspec under `folder` (for JUPYTER_PATH) that starts the kernel through bookbuild.warm."""
+    spec = {"argv": [sys.executable, "-m", "bookbuild.warm", "ipykernel_launcher", "-f", "{connection_file}"],
             "display_name": "Python 3", "language": "python"}
     (folder / "kernels" / "python3").mkdir(parents=True, exist_ok=True)
     (folder / "kernels" / "python3" / "kernel.json").write_text(json.dumps(spec))
@@ -182,7 +168,7 @@ def _run_device(results_file: Path, profile: str) -> str:
 
 def _device(profile: str) -> str:
     """The device a chapter computes on in `profile` here."""
-    from . import profiles
+    from labutils import profiles
 
     try:
         return profiles.resolve(profile).device
@@ -192,7 +178,7 @@ def _device(profile: str) -> str:
 
 def own_build(participant: str | None = None, root: Path = ROOT) -> Path:
     """Where a participant's own runs go (`_build/runs/<name>`): never the book's results."""
-    from .results import participant as checked
+    from labutils.results import participant as checked
 
     return root / "_build" / "runs" / checked(participant)
 
@@ -210,7 +196,7 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
     For the whole book the lab's models are built first, each kind in a process of its own (beside the
     chapters that need none); then every chapter, the longest last run first (without a last run, LONGEST
     first). With `jobs` > 1 every process is single-threaded, so two do not fight over the cores, and (with
-    `warm_start`) forked from a server that imported the heavy libraries once (`labutils.warm`); `jobs=1`
+    `warm_start`) forked from a server that imported the heavy libraries once (`bookbuild.warm`); `jobs=1`
     runs everything one after another in fresh processes with torch's default threads.
     """
     start = time.perf_counter()
@@ -230,7 +216,7 @@ def execute_all(stems: list[str], profile: str = "auto", jobs: int = 2, force: b
         if socket_path:  # every process below is forked from a server that imported the libraries once
             env[warm.SOCKET] = socket_path
         LAST_RUN["warm"] = bool(socket_path)
-        _execute_all(stems, profile, jobs, force, build, root, env, ["labutils.warm"] if socket_path else [],
+        _execute_all(stems, profile, jobs, force, build, root, env, ["bookbuild.warm"] if socket_path else [],
                      models_first)
     return time.perf_counter() - start
 
@@ -259,13 +245,13 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
             for kind, future in models.items():  # waits for the models; without them the chapter fails too
                 if future.exception() is not None:
                     raise ChapterError(f"{stem}: not run, the lab's {kind} model was not built")
-        run(["labutils.pipeline", "execute", stem, "--profile", profile, "--build", str(build), "--root", str(root)]
+        run(["bookbuild.pipeline", "execute", stem, "--profile", profile, "--build", str(build), "--root", str(root)]
             + (["--force"] if force else []), stem)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         if models_first:
-            from .models import KINDS
-            from .pretrained import installed
+            from labutils.models import KINDS
+            from labutils.pretrained import installed
 
             models.update({kind: pool.submit(build_model, kind) for kind in (*KINDS, *["real"] * installed())})
         for stem in order:
@@ -278,7 +264,7 @@ def _execute_all(stems, profile, jobs, force, build, root, env, launcher, models
 
 def _resolves(profile: str) -> bool:
     """Whether `profile` runs here; where it does not, each chapter says so itself."""
-    from . import profiles
+    from labutils import profiles
 
     try:
         profiles.resolve(profile)
@@ -375,8 +361,6 @@ def stage(root: Path = ROOT) -> None:
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
     _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
-    from . import status
-
     _write_if_changed(status.page(root), SITE / "appendix" / "build_status.md")
     # the book's own styles (print, dark mode, the ledger), listed in _config.yml's html_css_files; into
     # _vendor, as a _static folder makes jupyter-book add every .js of the static paths (MathJax's) to each page
@@ -530,9 +514,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "book":
         print(f"book: {build_html()}/index.html")
     if args.command == "pdf":  # the HTML book, then the same pages printed to one PDF
-        from . import pdf
 
-        print(f"pdf: {pdf.build()}")
+        print(f"pdf: {pdf.print_book(build_html(ROOT))}")
 
 
 if __name__ == "__main__":

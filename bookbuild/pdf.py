@@ -1,6 +1,6 @@
 """The book as one PDF, printed from its HTML by headless Chromium (no LaTeX).
 
-    python -m labutils.pipeline pdf   # the HTML book, then _build/book.pdf (and a copy in _build/html)
+    python -m bookbuild.pipeline pdf   # the HTML book, then _build/book.pdf (and a copy in _build/html)
 
 Sphinx's `singlehtml` builder puts the whole book on one page, styled like the HTML book;
 `_static/book.css` holds its print rules (A4, no navigation, each chapter from a new page).
@@ -17,6 +17,8 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+
+from .layout import ROOT, SITE
 
 CHROMIUM = os.environ.get("CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 # Offline machine: without these Chromium keeps trying to reach Google's services.
@@ -70,19 +72,10 @@ def print_pdf(url: str, target: Path, chromium: str = CHROMIUM) -> Path:
 def print_book(html: Path, root: Path | None = None) -> Path:
     """`_build/book.pdf` printed from the one-page version of the staged book whose HTML is `html`,
     and copied into `html`, where the landing page links to it. Returns `_build/book.pdf`."""
-    from . import pipeline
-
-    root = root or pipeline.ROOT
-    single = single_page(pipeline.SITE, root / "_build" / "pdf")
+    root = root or ROOT
+    single = single_page(SITE, root / "_build" / "pdf")
     target = root / "_build" / "book.pdf"
     with served(single) as base:
         print_pdf(f"{base}/{FIRST_PAGE}", target)
     shutil.copyfile(target, html / "book.pdf")
     return target
-
-
-def build(root: Path | None = None) -> Path:
-    """The HTML book, then the PDF printed from it; returns `_build/book.pdf`."""
-    from . import pipeline
-
-    return print_book(pipeline.build_html(root or pipeline.ROOT), root)

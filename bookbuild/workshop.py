@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import status
-from .results import load_all
+from labutils.results import load_all
 
 @dataclass(frozen=True)
 class Block:
@@ -86,7 +86,7 @@ def page(root: Path) -> str:
         status.table(["block", "minutes", "chapters (run time)"], rows), "",
         "## Before the day", "",
         "`make workshop-prep` builds the lab's models for every seed the chosen exercises use and runs the "
-        "participants' check (`python -m labutils.workshop_check check`, under two minutes): library versions, "
+        "participants' check (`python -m bookbuild.workshop_check check`, under two minutes): library versions, "
         "bitsandbytes' 4-bit layer, one GRPO step of trl, and a chapter executed by papermill into the "
         "participant's own folder. Ask every participant to run the check on the machine they will bring.", "",
         "## The blocks", ""]
@@ -109,7 +109,7 @@ def page(root: Path) -> str:
         f"Every chapter runs in the `cpu` profile; the whole book took {total / 60:.0f} minutes of chapter time in "
         f"this build (the slowest chapter, {slowest}, {status.seconds(ran.get(slowest))}), with the lab's models built "
         "by chapter 0 and cached. Run `make book` once before the session; participants re-run single chapters "
-        "with other parameters into their own folders (`python -m labutils.pipeline run STEM -p seed=1 "
+        "with other parameters into their own folders (`python -m bookbuild.pipeline run STEM -p seed=1 "
         "--participant NAME`), which never change the book's results. Cells that need CUDA say so and run "
         "their CPU counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9. The built "
         "book needs no network: serve `_build/html` (`python -m http.server -d _build/html`).", "",
