@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import colab, ledger, pdf, status, warm, workshop
+from . import colab, findings, ledger, pdf, status, warm, workshop
 from .layout import BUILD, PAGES, ROOT, SITE, chapters
 
 
@@ -359,6 +359,7 @@ def stage(root: Path = ROOT) -> None:
         _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
     _stage_mathjax()
     # generated pages: read from this build's results, so their numbers are this run's
+    _write_if_changed(findings.page(root, SITE), SITE / "findings.md")
     _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
     _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
     _write_if_changed(status.page(root), SITE / "appendix" / "build_status.md")

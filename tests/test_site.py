@@ -205,6 +205,15 @@ def _page(browser, base: str, path: str, width: int, dark: bool = False):
     return page
 
 
+# every table cell whose text is a number, and whose text lies on more than one line
+BROKEN_NUMBERS = """(selector) => [...document.querySelectorAll(selector + ' td')].filter(td => {
+  const text = td.textContent.trim();
+  if (!/^[-+−]?[0-9][0-9.,]*$/.test(text)) return false;
+  const range = document.createRange(); range.selectNodeContents(td);
+  return new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top))).size > 1;
+}).map(td => td.textContent.trim())"""
+
+
 def test_the_ledger_shows_each_verdict_without_horizontal_scrolling(built_book):
     """At a 1280-px window and a 390-px phone, the first claim's verdict (and the rest of its row) lies
     inside the window, and the page does not scroll sideways."""
@@ -225,6 +234,8 @@ def test_the_ledger_shows_each_verdict_without_horizontal_scrolling(built_book):
             assert seen["visible"] <= width and seen["pageWidth"] <= width, (width, seen)
             assert 0 <= seen["verdictBox"][0] and seen["verdictBox"][1] <= seen["visible"], (width, seen)
             assert all(0 <= left and right <= seen["visible"] for left, right in seen["cellBoxes"]), (width, seen)
+            broken = page.evaluate(BROKEN_NUMBERS, "table.claims-ledger")
+            assert not broken, (width, broken)  # "1 / 0" for claim 10: a number split over two lines
             page.context.close()
         browser.close()
 
