@@ -355,6 +355,8 @@ def stage(root: Path = ROOT) -> None:
     _write_if_changed(yaml.safe_dump(config, sort_keys=False), SITE / "_config.yml")
     for page in (root / "appendix").glob("*.md") if (root / "appendix").is_dir() else ():
         _copy_if_changed(page, SITE / "appendix" / page.name)
+    for diagram in (root / "appendix" / "diagrams").glob("*.svg"):  # drawn by hand, shown by pages and chapters
+        _copy_if_changed(diagram, SITE / "appendix" / "diagrams" / diagram.name)
     for stem in chapters(root):
         _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
     _stage_mathjax()
