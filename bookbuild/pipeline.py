@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import colab, findings, ledger, pdf, status, warm, workshop
+from . import colab, findings, ledger, pdf, solutions, status, warm, workshop
 from .layout import BUILD, PAGES, ROOT, SITE, chapters
 
 
@@ -344,6 +344,7 @@ def _write_if_changed(text: str, dst: Path) -> None:
 
 def stage(root: Path = ROOT) -> None:
     """Assemble the book's Sphinx sources: top-level pages and the executed chapters."""
+    import nbformat
     import yaml
 
     for page in PAGES:
@@ -357,8 +358,13 @@ def stage(root: Path = ROOT) -> None:
         _copy_if_changed(page, SITE / "appendix" / page.name)
     for diagram in (root / "appendix" / "diagrams").glob("*.svg"):  # drawn by hand, shown by pages and chapters
         _copy_if_changed(diagram, SITE / "appendix" / "diagrams" / diagram.name)
+    taught = []  # each chapter's solutions, cut from its page for the teacher's page
     for stem in chapters(root):
-        _copy_if_changed(root / "_build" / "executed" / f"{stem}.ipynb", SITE / "chapters" / f"{stem}.ipynb")
+        executed = nbformat.read(root / "_build" / "executed" / f"{stem}.ipynb", as_version=4)
+        participants, blocks = solutions.split(executed)
+        _write_if_changed(nbformat.writes(participants), SITE / "chapters" / f"{stem}.ipynb")
+        taught.append((stem, solutions.title(executed), blocks, solutions.glued(executed)))
+    _write_if_changed(solutions.page(taught), SITE / "appendix" / "solutions.md")
     _stage_mathjax()
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(findings.page(root, SITE), SITE / "findings.md")
