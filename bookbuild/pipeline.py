@@ -369,7 +369,7 @@ def stage(root: Path = ROOT) -> None:
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(findings.page(root, SITE), SITE / "findings.md")
     _write_if_changed(ledger.page(root), SITE / "appendix" / "claims_ledger.md")
-    _write_if_changed(workshop.page(root), SITE / "appendix" / "workshop.md")
+    _write_if_changed(workshop.page(root, SITE), SITE / "appendix" / "workshop.md")
     _write_if_changed(status.page(root), SITE / "appendix" / "build_status.md")
     # the book's own styles (print, dark mode, the ledger), listed in _config.yml's html_css_files; into
     # _vendor, as a _static folder makes jupyter-book add every .js of the static paths (MathJax's) to each page

@@ -5,8 +5,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import status
 from labutils.results import load_all
+
+from . import status
 
 @dataclass(frozen=True)
 class Block:
@@ -15,31 +16,37 @@ class Block:
     chapters: tuple[str, ...] = ()
     objectives: str = ""
     prerequisites: str = ""
-    exercises: tuple[tuple[str, int], ...] = ()  # (chapter, exercise number) the room does
+    exercises: tuple[tuple[str, int, int], ...] = ()  # (chapter, exercise number, minutes) the room does
+    figure: tuple[str, str] | None = None  # (chapter, figure name): the one to put on the projector
 
 
 PLAN = [
     Block("Formats and the lab", 30, ("00_lab", "01_number_formats"),
           "read bf16, fp16 and FP8 layouts off real casts; say what eps, the largest and the smallest normal "
           "number of each format are; meet the task and the tiny models",
-          "binary floating point (sign, exponent, mantissa)", (("01_number_formats", 1), ("00_lab", 2))),
+          "binary floating point (sign, exponent, mantissa)", (("01_number_formats", 1, 10), ("00_lab", 2, 10)),
+          ("01_number_formats", "spacing")),
     Block("The crash", 30, ("02_qlora_crash", "03_loss_scaling", "11_troubleshooting"),
           "reproduce the QLoRA GRPO error, trace it into trl, accelerate and torch, predict it with preflight, "
           "and choose a fix by memory, speed and reward",
-          "autocast (what it casts, where), a GradScaler's scale, unscale and skip", (("02_qlora_crash", 1),
-                                                                                       ("03_loss_scaling", 2))),
+          "autocast (what it casts, where), a GradScaler's scale, unscale and skip",
+          (("02_qlora_crash", 1, 10), ("03_loss_scaling", 2, 10)), ("03_loss_scaling", "scale-trace")),
     Block("Break", 15),
-    Block("The mismatch", 60, ("04_mismatch", "05_grpo_precision", "05b_sampler_precision"),
-          "measure KL(μ‖π) between an inference and a training engine, see the sequence log-ratio drift with "
-          "length, run GRPO under precision pairs, and turn the sampler's precision dial until RL degrades",
+    Block("The mismatch", 60, ("04_mismatch", "04b_real_mismatch", "05_grpo_precision", "05b_sampler_precision"),
+          "measure KL(μ‖π) between an inference and a training engine, on the toy and on a real 135M model, see "
+          "the sequence log-ratio drift with length, run GRPO under precision pairs, and turn the sampler's "
+          "precision dial to see when RL degrades",
           "importance ratios π/μ and why off-policy samples need them; KL divergence and its k1/k3 estimators",
-          (("04_mismatch", 2), ("05b_sampler_precision", 1))),
+          (("04_mismatch", 2, 15), ("04b_real_mismatch", 1, 10), ("05b_sampler_precision", 1, 15)),
+          ("04b_real_mismatch", "offline")),
     Block("MoE and LoRA", 40, ("06_moe", "07_lora"),
           "count routing flips and the KL they cause; count LoRA updates lost to bf16's spacing",
-          "top-k routing; Adam's update size; LoRA's A and B", (("06_moe", 1), ("07_lora", 2))),
+          "top-k routing; Adam's update size; LoRA's A and B", (("06_moe", 1, 10), ("07_lora", 2, 10)),
+          ("06_moe", "flips-by-position")),
     Block("Toolkit", 30, ("08_sensitive_ops", "09_fp8", "10_scaling_out"),
           "say which operations need fp32, what FP8's scales do, and which loss scaler runs over sharded gradients",
-          "softmax and normalisation in floating point", (("08_sensitive_ops", 2), ("09_fp8", 2))),
+          "softmax and normalisation in floating point", (("08_sensitive_ops", 2, 10), ("09_fp8", 2, 10)),
+          ("10_scaling_out", "ddp")),
     Block("Wrap-up", 10, objectives="each group reports one claim from the ledger it would now dispute, and why"),
 ]
 
@@ -63,7 +70,28 @@ def _crash_on_gpu(root: Path) -> list[str]:
             str(gpu["metrics"].get("crash.error", "?")), "```", ""]
 
 
-def page(root: Path) -> str:
+FIGURES = "workshop_figures"  # beside the page in the staged site
+
+
+def _projector(root: Path, site: Path | None, block: Block) -> list[str]:
+    """The block's projector figure, copied from this build's results next to the page."""
+    if block.figure is None:
+        return []
+    stem, name = block.figure
+    source = root / "_build" / "results" / "figures" / f"{stem}-{name}.png"
+    if not source.is_file():
+        return [f"*Projector figure:* {{doc}}`../chapters/{stem}`'s figure `{name}` is not in this build.", ""]
+    if site is not None:
+        target = site / "appendix" / FIGURES / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.is_file() or target.read_bytes() != source.read_bytes():
+            target.write_bytes(source.read_bytes())
+    return [f"```{{figure}} {FIGURES}/{source.name}", ":width: 80%", "",
+            f"For the projector: from {{doc}}`../chapters/{stem}`, as this build drew it.", "```", ""]
+
+
+def page(root: Path, site: Path | None = None) -> str:
+    """The workshop page; with `site`, the blocks' projector figures are copied next to it."""
     times = status.timings(root)
     measured_on_gpu = any(t["gpu"] is not None for t in times.values())
 
@@ -96,12 +124,13 @@ def page(root: Path) -> str:
         lines += [f"### {block.name} ({block.minutes} min)", "", f"- *Objectives:* {block.objectives}."]
         if block.prerequisites:
             lines.append(f"- *Prerequisites:* {block.prerequisites}.")
-        for stem, number in block.exercises:
+        for stem, number, minutes in block.exercises:
             here = times.get(stem, {}).get("build")
             took = f"the chapter ran in {status.seconds(here)} in this build" if here is not None else "not yet run"
-            lines.append(f"- *Exercise:* {{doc}}`../chapters/{stem}`, exercise {number}, "
+            lines.append(f"- *Exercise ({minutes} min):* {{doc}}`../chapters/{stem}`, exercise {number}, "
                          f"\"{_exercise_title(root, stem, number).rstrip('.')}\" ({took}).")
         lines.append("")
+        lines += _projector(root, site, block)
         if "02_qlora_crash" in block.chapters:
             lines += _crash_on_gpu(root)
     lines += [
@@ -121,7 +150,37 @@ def page(root: Path) -> str:
         "profile on any of them. On the free T4, which has no bf16 arithmetic, the fp16 and fp32 parts run "
         "natively, chapter 2 raises the real CUDA error, and each chapter says in one sentence which of its "
         "bf16 parts run there without bf16 tensor cores (bf16 values, not bf16 speed).", "",
-        "## Exercises", "",
-        "Every chapter ends with exercises run as predict, run, explain; the solutions are folded so a teacher "
-        "can reveal them after the room has tried, and each quotes what this build measured.", ""]
+        "## Running a chapter yourself", "",
+        "Participants run chapters in one of two ways, both on the jupytext sources in `chapters/*.md`:", "",
+        "* **Interactively.** `jupyter lab` in the clone (installed by `pip install -e '.[workshop]'`), then "
+        "right-click a chapter's `.md` file and choose *Open With → Jupytext Notebook*: the Markdown source is "
+        "the notebook, and saving writes the Markdown back. `make workshop-prep` checks that this path works.",
+        "* **As the book runs it.** `python -m bookbuild.pipeline run STEM -p seed=1 --participant NAME` "
+        "executes a chapter with other parameters into the participant's own folder (`_build/runs/NAME`). It "
+        "accepts the cells that are meant to fail. A bare `papermill chapters/STEM.ipynb out.ipynb` runs every "
+        f"cell too, but papermill ({_papermill()}) then exits with status 1 and puts an \"An Exception was "
+        "encountered\" banner at the top of its output as soon as any cell raised, even one tagged "
+        "`raises-exception`; the book's pipeline accepts those cells.", "",
+        "## Solutions", "",
+        "Every chapter ends with exercises run as predict, run, explain. Their solutions are not on the "
+        "participants' pages: they are on the teachers' page, {doc}`solutions`, each with the numbers this "
+        "build measured.", "",
+        "## When a laptop cannot run a chapter", "",
+        "* Pair the participant with a neighbour whose machine passed `python -m bookbuild.workshop_check check`.",
+        "* Serve the built book (`python -m http.server -d _build/html`): every chapter's outputs are there, "
+        "executed, so the participant can do the *predict* and *explain* steps of an exercise from them.",
+        "* Open the chapter in Colab from its launch button, where the book is published from GitHub.",
+        (f"* Skip the slowest chapters first: in this build {slowest} took {status.seconds(ran.get(slowest))}; "
+         "the build-status page lists every chapter's time." if slowest else
+         "* Skip the slowest chapters first: the build-status page lists every chapter's time."), ""]
     return "\n".join(lines)
+
+
+def _papermill() -> str:
+    """The installed papermill's version, as the page quotes it."""
+    from importlib import metadata
+
+    try:
+        return f"{metadata.version('papermill')} here"
+    except metadata.PackageNotFoundError:
+        return "not installed here"

@@ -1,7 +1,8 @@
 """Before a workshop: the models its exercises need, built once, and a short check a participant can run.
 
     python -m bookbuild.workshop_check prepare   # the lab's models for the seeds the exercises use
-    python -m bookbuild.workshop_check check     # about two minutes: libraries, a kernel, 4-bit, one GRPO step
+    python -m bookbuild.workshop_check check     # about two minutes: libraries, a kernel, 4-bit, one GRPO step,
+                                                 # and JupyterLab opening a chapter's source as a notebook
 
 Both use the cpu profile unless told otherwise; `make workshop-prep` runs both.
 """
@@ -28,6 +29,55 @@ def prepare(profile_name: str = "cpu") -> list[str]:
             built.append(models.display_path(path))
             print(f"{kind} model, seed {seed}: {built[-1]} ({time.perf_counter() - start:.0f} s)")
     return built
+
+
+def interactive(chapter: str = "01_number_formats", timeout: float = 90.0) -> str:
+    """Start `jupyter lab` on the book and ask it for a chapter's Markdown source as a notebook, as a participant's
+    browser would (jupytext's contents manager pairs the two); returns what it served."""
+    import importlib.util
+    import json
+    import secrets
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+    from pathlib import Path
+
+    from .layout import ROOT
+
+    if importlib.util.find_spec("jupyterlab") is None or importlib.util.find_spec("jupytext") is None:
+        raise RuntimeError("JupyterLab or jupytext is not installed: pip install -e '.[workshop]' (make workshop-prep "
+                           "does it), then run this check again.")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token = secrets.token_hex(16)
+    server = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+                               f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={ROOT}",
+                               "--allow-root"],  # harmless for a participant; a container often runs as root
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/api/contents/chapters/{chapter}.md?type=notebook&content=1"
+    request = urllib.request.Request(url, headers={"Authorization": f"token {token}"})
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=10) as answer:
+                    model = json.load(answer)
+                break
+            except OSError as error:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"jupyter lab did not serve {chapter}.md as a notebook ({error}): "
+                                       f"{(server.stderr.read() if server.poll() is not None else '')[-500:]}")
+                time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    cells = model["content"]["cells"] if model.get("type") == "notebook" else []
+    if not cells:
+        raise RuntimeError(f"jupyter lab served {chapter}.md as a {model.get('type')}, not as a notebook: is "
+                           "jupytext's server extension enabled (`jupyter server extension list`)?")
+    return f"{Path(chapter).name}.md opens as a notebook of {len(cells)} cells"
 
 
 def _step(name: str, fn):
@@ -79,6 +129,7 @@ def check() -> None:
         _step("bitsandbytes 4-bit", four_bit)
         _step("one GRPO step", grpo_step)
         _step("papermill and a kernel", kernel)
+        _step("jupyter lab and jupytext", interactive)
     print("ready for the workshop")
 
 
