@@ -16,8 +16,7 @@ from bookbuild import pipeline
 
 # Lines that branch on CUDA: only a GPU executes their CUDA side (everything else runs here).
 CUDA_ONLY = {
-    ("02_qlora_crash", 'crash = grpo.qlora_trainer(P, OUT, torch.float16 if DEVICE == "cuda" else torch.float32, '
-                       'seed=seed, steps=STEPS,'),
+    ("02_qlora_crash", 'crash_dtype = torch.float16 if DEVICE == "cuda" else torch.float32  # the 4-bit compute dtype'),
     ("02_qlora_crash", 'for device in ["cpu"] + (["cuda"] if DEVICE == "cuda" else []):'),
     ("02_qlora_crash", '"fp16_fp32_trainables": dict(compute_dtype="float16" if DEVICE == "cuda" else "float32",'),
     ("02_qlora_crash", 'if DEVICE == "cuda":  # what the caching allocator held, beside what tensors used'),
