@@ -33,9 +33,10 @@ def glued(notebook: nbformat.NotebookNode) -> dict[str, str]:
     values = {}
     for cell in notebook.cells:
         for output in cell.get("outputs", []):
-            name = output.get("metadata", {}).get("scrapbook", {}).get("name")
-            if name and "text/plain" in output.get("data", {}):
-                values[name] = output["data"]["text/plain"]
+            scrapbook = output.get("metadata", {}).get("scrapbook", {})
+            plain = scrapbook.get("mime_prefix", "") + "text/plain"  # glue(display=False) prefixes its mime types
+            if "name" in scrapbook and plain in output.get("data", {}):
+                values[scrapbook["name"]] = output["data"][plain]
     return values
 
 

@@ -22,8 +22,9 @@ CHAPTER = """# A chapter
 
 def _notebook(markdown: str, glued: dict) -> nbformat.NotebookNode:
     code = nbformat.v4.new_code_cell("glue(...)")
-    code.outputs = [nbformat.v4.new_output("display_data", data={"text/plain": value},
-                                           metadata={"scrapbook": {"name": name, "mime_prefix": ""}})
+    prefix = "application/papermill.record/"  # what glue(..., display=False) writes
+    code.outputs = [nbformat.v4.new_output("display_data", data={prefix + "text/plain": value},
+                                           metadata={"scrapbook": {"name": name, "mime_prefix": prefix}})
                     for name, value in glued.items()]
     return nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(markdown), code])
 
