@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from labutils.readings import power
 from labutils.results import load_all
 from .status import table
 
@@ -38,18 +39,10 @@ def _pct(x):
     return f"{x:.1%}"
 
 
-def _power(gap, noise):
-    """Power of a two-sided 5% test to see an effect the size of `gap`, given its 95% half-width `noise`."""
-    from scipy.stats import norm
-
-    se = noise / 1.96
-    return float(norm.cdf(abs(gap) / se - 1.96) + norm.cdf(-abs(gap) / se - 1.96)) if se > 0 else 1.0
-
-
 def _comparison(gap, noise, better_if_positive=True):
     """A chapter's comparison in the ledger's vocabulary: a difference confirms or contradicts; otherwise inconclusive."""
     if abs(gap) <= noise:
-        return f"{INCONCLUSIVE} (power {_power(gap, noise):.0%} for the observed gap)"
+        return f"{INCONCLUSIVE} (power {power(gap, noise):.0%} for the observed gap)"
     return CONFIRMED if (gap > 0) == better_if_positive else CONTRADICTED
 
 
@@ -77,12 +70,12 @@ def _restores(basis, fix, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
                 "π-eval accuracy")
     if gap_m <= noise_m:  # nothing to restore has been shown
         return measured, (f"{INCONCLUSIVE} (the uncorrected run's loss is within noise, power "
-                          f"{_power(gap_m, noise_m):.0%}: nothing shown to restore)")
+                          f"{power(gap_m, noise_m):.0%}: nothing shown to restore)")
     if gap_f > noise_f and gap_fm >= -noise_fm:
         return measured, CONFIRMED
     if gap_fm < -noise_fm:  # the corrected run stays below the matched one beyond noise: not restored
         return measured, CONTRADICTED
-    return measured, f"{INCONCLUSIVE} (power {_power(gap_f, noise_f):.0%} for the fix's gain)"
+    return measured, f"{INCONCLUSIVE} (power {power(gap_f, noise_f):.0%} for the fix's gain)"
 
 
 def _crash_flag(bf16_builds, fp16_builds, bf16_error):

@@ -52,8 +52,8 @@ def test_loss_scale_band_claim():
 def test_inconclusive_verdicts_give_the_power():
     verdict = ledger._comparison(0.05, 0.1)
     assert verdict.startswith(ledger.INCONCLUSIVE) and "power" in verdict
-    assert ledger._power(0.0, 0.1) == pytest.approx(0.05, abs=1e-4)  # no effect: the test's own false-positive rate
-    assert ledger._power(0.1 * 2.8 / 1.96, 0.1) == pytest.approx(0.80, abs=0.01)  # 2.8 SE: 80% power
+    assert ledger.power(0.0, 0.1) == pytest.approx(0.05, abs=1e-4)  # no effect: the test's own false-positive rate
+    assert ledger.power(0.1 * 2.8 / 1.96, 0.1) == pytest.approx(0.80, abs=0.01)  # 2.8 SE: 80% power
 
 
 def test_a_claim_without_its_measurements_says_so_and_gives_no_verdict():
