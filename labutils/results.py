@@ -80,9 +80,9 @@ class ChapterRun:
         value = self.metrics[key]
         return float(value) if value in ("nan", "inf", "-inf") else value  # stored as text: JSON has none
 
-    def table(self, keys: list[str] | None = None, notes: dict | None = None):
+    def table(self, keys: list[str] | None = None, notes: dict | None = None, labels: dict | None = None):
         """`metrics_table` of this run's metrics, with the chapter's GPU reference run beside them if committed."""
-        return metrics_table(self.metrics, keys, notes, chapter=self.chapter)
+        return metrics_table(self.metrics, keys, notes, chapter=self.chapter, labels=labels)
 
     def save(self) -> Path:
         """Write the results; in a notebook, also glue `chapter_seconds` for the page's time-to-run line."""
@@ -127,13 +127,16 @@ def gpu_reference(chapter: str) -> dict | None:
 
 
 def metrics_table(metrics: dict, keys: list[str] | None = None, notes: dict | None = None,
-                  chapter: str | None = None):
+                  chapter: str | None = None, labels: dict | None = None):
     """A table of metrics (all, or `keys` in order): this run, what the sources say where `notes` is given,
-    and the committed GPU reference run of `chapter` beside them where `results/gpu/` has one."""
+    and the committed GPU reference run of `chapter` beside them where `results/gpu/` has one;
+    `labels` (key -> words) names each row for a reader instead of by its key."""
     from .tables import show  # pandas only where a table is shown
 
     keys = list(metrics) if keys is None else keys
     columns, rows = ["metric", "this run"], [[k, metrics[k]] for k in keys]
+    if labels is not None:
+        columns[0] = "quantity"
     if notes is not None:
         columns.append("the sources say")
         for row in rows:
@@ -148,6 +151,9 @@ def metrics_table(metrics: dict, keys: list[str] | None = None, notes: dict | No
         caption = (f"GPU column: results/gpu/{chapter}.json, the gpu profile"
                    f"{' trimmed (fewer steps, seeds and sequences)' if run.get('trimmed') else ''} on "
                    f"{run.get('gpu', '?')}, CUDA {run.get('cuda', '?')}, {run.get('date', '?')[:10]}.")
+    if labels is not None:
+        for row, key in zip(rows, keys):
+            row[0] = labels.get(key, key)
     return show(rows, columns=columns, caption=caption)
 
 
