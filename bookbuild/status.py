@@ -9,7 +9,7 @@ import os
 import time
 from pathlib import Path
 
-from . import colab
+from . import anatomy, colab
 from .layout import chapters
 from labutils.env import LIBRARIES, cpu_model, kernel_set
 from labutils.results import load_all
@@ -107,7 +107,7 @@ def page(root: Path) -> str:
         f"This copy of the book was built on {time.strftime('%Y-%m-%d at %H:%M UTC', time.gmtime())} from commit "
         f"`{commit[:12] if commit else 'unknown (not a git checkout)'}` on this machine: CPU {cpu_model()}, "
         f"{os.cpu_count()} cores, kernel set {kernel_set()} (the same seed draws other numbers under other "
-        "kernels). It executed {kinds.count('executed')} of the {len(stems)} chapters and reused "
+        f"kernels). It executed {kinds.count('executed')} of the {len(stems)} chapters and reused "
         f"{kinds.count('cached')}, *cached*: their source, the `labutils` code and their parameters were unchanged "
         "since the run shown, so that run's notebook and results were kept"
         + (f"; {kinds.count('not run')} have not been run." if "not run" in kinds else "."), "",
@@ -116,4 +116,12 @@ def page(root: Path) -> str:
         "Each chapter's seconds are its own execution time, from its results file "
         "(`_build/results/<chapter>.json`); `make bench` prints the same numbers.", "",
         table(header, rows), "",
-        gpu_note, ""])
+        gpu_note, "",
+        "## What a reader meets", "",
+        "Each chapter's prose words, visible code lines (cells not hidden, comments and blank lines left out) and "
+        "the share of those lines that is bookkeeping (gluing or recording a result, formatting text or a table), "
+        f"by `python -m bookbuild.anatomy`; the tests hold every chapter to at most {anatomy.WORDS_AT_MOST:,} words, "
+        f"{anatomy.BOOKKEEPING_AT_MOST:.0%} bookkeeping and {anatomy.WIDTH_AT_MOST}-character visible lines.", "",
+        table(["chapter", "prose words", "visible code lines", "bookkeeping", "opening box"],
+              [[stem, a.words, a.code_lines, f"{a.bookkeeping_share:.0%}", "yes" if a.opening_box else "no"]
+               for stem, a in anatomy.book(root).items()]), ""])
