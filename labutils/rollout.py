@@ -244,7 +244,14 @@ def _fresh_copy(model, dtype: torch.dtype, device: str):
     inner = getattr(model, "module", model)
     clone = type(inner)(inner.config)
     clone.load_state_dict(_plain_state(inner))
-    return clone.to(device=device, dtype=dtype).eval()
+    # the rotary frequencies stay fp32, as serving and training stacks compute them (only cos and sin are cast):
+    # a bf16 inv_freq would add a phase error that grows with position, in no real engine
+    frequencies = {name: buffer.detach().clone() for name, buffer in clone.named_buffers() if name.endswith("inv_freq")}
+    clone = clone.to(device=device, dtype=dtype)
+    for name, buffer in frequencies.items():
+        path, _, leaf = name.rpartition(".")
+        clone.get_submodule(path)._buffers[leaf] = buffer.to(device)
+    return clone.eval()
 
 
 def _plain_state(model) -> dict:

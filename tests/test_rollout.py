@@ -133,3 +133,15 @@ def test_flip_rate_counts_sets_not_order():
         moe.flip_rate(a, b, torch.zeros(1, 2))
     with pytest.raises(ValueError, match="no top-k router"):
         moe.routers(torch.nn.Linear(2, 2))
+
+
+def test_engines_in_16_bits_keep_the_rotary_frequencies_in_fp32(lab):
+    """Only weights and activations take the engine's dtype: a bf16 inv_freq would add a phase error that grows
+    with position, which no serving or training stack has."""
+    model, _ = lab
+    source = dict(model.named_buffers())
+    for engine in (rollout.InferenceEngine(model, torch.bfloat16), rollout.TrainingEngine(model, torch.float16)):
+        frequencies = {n: b for n, b in engine.model.named_buffers() if n.endswith("inv_freq")}
+        assert frequencies and all(b.dtype == torch.float32 for b in frequencies.values())
+        assert all(torch.equal(b, source[n]) for n, b in frequencies.items())
+        assert next(engine.model.parameters()).dtype != torch.float32
