@@ -57,10 +57,12 @@ FINDINGS = [
         "The `…unscale_cuda … 'BFloat16'` crash comes from `fp16=True`, not `bf16=True`: `fp16=True` builds a "
         "GradScaler, and trl has cast the 4-bit model's trainables to bf16, which the CUDA unscale kernel does not "
         "take. On an fp16-only GPU keep `fp16=True` and cast the trainables to fp32 after building the trainer; "
-        "on Ampere or newer use `bf16=True`.",
+        "on Ampere or newer use `bf16=True`, and cast the trainables to fp32 there too: trl leaves them in bf16, "
+        "where small updates are lost (LoRA row below). Whether to move both engines to fp16 against the "
+        "mismatch is a separate choice (next row).",
         {"trl": "fp16-only GPU: `GRPOConfig(fp16=True)`, then `for p in trainer.model.parameters(): "
                 "p.data = p.data.float() if p.requires_grad else p.data`. Ampere+: `GRPOConfig(bf16=True)` "
-                "(trl $trl: `bf16` is on unless `fp16=True`)",
+                "(trl $trl: `bf16` is on unless `fp16=True`) and the same cast",
          "bitsandbytes": "`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float16)` (T4) "
                          "or `torch.bfloat16` (Ampere+)"},
         (Evidence("02_qlora_crash", "Root cause, in the installed code", SHOWN,
