@@ -20,6 +20,7 @@ from .status import table
 SHOWN, MECHANISM, NOT_SHOWN = "shown here", "mechanism only", "not shown (needs a GPU)"
 BADGES = {SHOWN: "success", MECHANISM: "info", NOT_SHOWN: "secondary"}
 FIGURES = "findings"  # the figures' folder beside the page
+MISSING = "not measured in this build"
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ FINDINGS = [
                              f"{m('04b_real_mismatch:real.ratio.bf16_over_fp16_high'):.0f}×); "
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
          Evidence("05b_sampler_precision", "The decisive comparison", MECHANISM,
-                  lambda m: (f"whether it degrades RL, on the toy: bf16 sampler against fp32, final π-eval "
+                  lambda m: (f"whether a bf16 sampler harms RL, on the toy with an fp32 trainer: final π-eval of "
+                             f"the bf16 sampler's runs minus the fp32 sampler's "
                              f"{m('05b_sampler_precision:decisive.bf16_gap'):+.3f} "
                              f"(95% interval ±{m('05b_sampler_precision:decisive.bf16_noise'):.3f})")),
          Evidence("05_grpo_precision", "The source's table, and this run", NOT_SHOWN,
@@ -113,7 +115,8 @@ FINDINGS = [
         {"PyTorch": "`torch.amp.GradScaler()`; `scaler.unscale_(optimizer)` before `clip_grad_norm_`",
          "accelerate": "`Accelerator(mixed_precision=\"fp16\")`; `accelerator.clip_grad_norm_` unscales first",
          "DeepSpeed": "`\"fp16\": {\"enabled\": true, \"loss_scale\": 0, \"initial_scale_power\": 16}`",
-         "verl": "an fp16 actor builds `ShardedGradScaler` itself (Precision-RL's patch: `growth_interval=400`)"},
+         "verl": "an fp16 actor builds `ShardedGradScaler(growth_interval=400)` itself "
+                 "(`verl/workers/actor/dp_actor.py`, from Precision-RL's fp16 patch)"},
         (Evidence("03_loss_scaling", "Which gradients underflow", SHOWN,
                   lambda m: (f"{_pct(m('03_loss_scaling:underflow_fraction.unscaled'))} of the lab model's activation "
                              "gradients flush to zero in fp16 without a scale")),),
@@ -122,12 +125,14 @@ FINDINGS = [
         "LoRA or QLoRA adapters, any hardware",
         "Keep the adapters and Adam's state in fp32; compute in bf16 or fp16. With a separate sampler, check what "
         "the weight sync hands it: adapters merged into bf16 base weights make the sampler differ from an "
-        "unmerged trainer far more than the dtype alone.",
+        "unmerged trainer far more than the dtype alone, and merging in fp32 before the cast does not help, "
+        "because the cast rounds the merged weight.",
         {"peft": "`get_peft_model(model, config, autocast_adapter_dtype=True)` (the default since peft 0.12: "
                  "fp32 adapters)",
          "trl": "a 4-bit or 8-bit model's trainables are cast to bf16, and under DeepSpeed ZeRO-3 the adapters "
                 "stay in the model's dtype: cast them to fp32 after building the trainer",
-         "vLLM": "serve the adapters unmerged (`enable_lora=True`), or merge them in fp32 and cast once"},
+         "vLLM": "merge the adapters into the sampler's weights only if the trainer scores the same merged, "
+                 "rounded weights; otherwise serve them unmerged (`enable_lora=True`; not measured here)"},
         (Evidence("07_lora", "Where the adapter dtype comes from", SHOWN,
                   lambda m: "peft upcasts adapters to fp32 by default; trl casts a quantized model's to bf16"),
          Evidence("07_lora", "The other mechanism: a merged bf16 sampler against an unmerged trainer", SHOWN,
@@ -214,7 +219,15 @@ def _said(evidence: Evidence, read) -> str:
     try:
         return evidence.numbers(read)
     except KeyError:  # a chapter or metric missing from this build
-        return "not measured in this build"
+        return MISSING
+
+
+def _evidence(evidence: Evidence, read, gpu: dict) -> str:
+    """One piece of evidence: its kind as a badge (none where this build lacks its numbers), link and numbers."""
+    said = _said(evidence, read)
+    kind = _kind(evidence, gpu)
+    badge = f"{{bdg-{BADGES[kind]}}}`{kind}`" if said != MISSING else "{bdg-light}`not in this build`"
+    return f"{badge} {_link(evidence.chapter, evidence.section)}: {said}"
 
 
 def _kind(evidence: Evidence, gpu: dict) -> str:
@@ -339,9 +352,7 @@ def page(root: Path, site: Path) -> str:
     for finding in FINDINGS:
         flags = "<br>".join(f"**{tool}:** {Template(setting).safe_substitute(defaults)}"
                             for tool, setting in finding.flags.items())
-        evidence = "<br>".join(
-            f"{{bdg-{BADGES[_kind(e, gpu)]}}}`{_kind(e, gpu)}` {_link(e.chapter, e.section)}: {_said(e, read)}"
-            for e in finding.evidence)
+        evidence = "<br>".join(_evidence(e, read, gpu) for e in finding.evidence)
         rows.append([finding.situation, finding.do, flags, evidence])
     links = chain(root)
     chain_figure(links, site / FIGURES / "chain.svg")

@@ -21,10 +21,10 @@ def support(claim: str, holds: bool, numbers: str = "") -> None:
                           f"rewrite the paragraph for what the run shows, or find what changed.")
 
 
-def pick(name: str, holds: bool, if_true: str, if_false: str) -> bool:
-    """Glue under `name` the reading the numbers support: `if_true` when `holds`, else `if_false`."""
+def pick(name: str, holds: bool, if_true: str, if_false: str) -> None:
+    """Glue under `name` the reading the numbers support: `if_true` when `holds`, else `if_false` (returns
+    nothing, so that a cell ending with it prints nothing)."""
     glue(name, if_true if holds else if_false)
-    return holds
 
 
 def glue(name: str, value) -> None:
