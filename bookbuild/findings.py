@@ -190,6 +190,36 @@ FINDINGS = [
 ]
 
 
+# the book's mismatch numbers, each beside the real set-up it stands for: (set-up, how the book builds it, metric)
+STACKS = (
+    ("vLLM in bf16 sampling, a trainer that casts the whole model to bf16 (DeepSpeed's bf16 mode)",
+     "both engines pure bf16 copies, the real 135M model, chapter 4b", "04b_real_mismatch:real.token_kl.bf16"),
+    ("the same, both engines in fp16", "both engines pure fp16 copies, chapter 4b", "04b_real_mismatch:real.token_kl.fp16"),
+    ("the same on a tiny model", "the lab's toy model, chapter 4", "04_mismatch:grid.bf16_bf16.token_kl"),
+    ("a bf16 sampler, a trainer under autocast with fp32 master weights (accelerate's mixed precision)",
+     "chapter 5's engines during GRPO, toy model", "05_grpo_precision:combo.bf16_bf16.mean_kl"),
+    ("a trainer that rounds its weights to bf16, a sampler that keeps fp32 weights",
+     "bf16 trainer against fp32 sampler, toy model, chapter 4", "04_mismatch:grid.bf16_fp32.token_kl"),
+    ("LoRA: adapters merged into a bf16 sampler, the trainer scoring them unmerged in bf16",
+     "chapter 7's serving comparison, toy model", "07_lora:serving.token_kl.bf16.unmerged_bf16"),
+    ("LoRA: sampler and trainer scoring the same merged bf16 weights",
+     "chapter 7's matched engines", "07_lora:serving.token_kl.bf16.merged"),
+)
+
+
+def stacks_table(read) -> str:
+    """Where a reader's own set-up sits among the book's mismatch numbers."""
+    rows = []
+    for setup, built, ref in STACKS:
+        try:
+            value = f"{read(ref):.2g}"
+        except KeyError:
+            value = MISSING
+        chapter = ref.split(":")[0]
+        rows.append([setup, built, value, f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"])
+    return table(["your set-up", "what the book measures for it", "token KL[μ‖π] (nats)", "chapter"], rows)
+
+
 def installed_defaults() -> dict[str, str]:
     """The defaults the page quotes, read from the installed trl's GRPOConfig source (not imported: cheap)."""
     import ast
@@ -365,6 +395,11 @@ def page(root: Path, site: Path) -> str:
         "on the lab's toy model or on a CPU, not the effect at a GPU's scale), or *not shown (needs a GPU)*.", "",
         "```{table}", ":class: findings", "",
         table(["situation", "what to do", "settings", "evidence"], rows), "```", "",
+        "## Which of the book's mismatch numbers is your stack", "",
+        "The chapters measure the mismatch between sampler and trainer in several set-ups, and their token KLs "
+        "differ by orders of magnitude. This table puts each beside the real configuration it stands for. "
+        "The toy model's numbers show mechanisms; the real model's show sizes.", "",
+        stacks_table(read), "",
         "## The central story, link by link", "",
         "The argument of the paper this book starts from is a chain: bf16 rounding makes the two engines "
         "disagree, the disagreement accumulates along a sequence, RL on those samples degrades the policy, and "
