@@ -379,6 +379,15 @@ def test_claims_ledger_judges_every_claim_from_this_builds_results():
     assert all(claim.chapter in toc for claim in ledger.CLAIMS)
 
 
+def test_the_findings_page_reads_every_number_it_quotes_from_this_build(tmp_path):
+    """Every piece of evidence and every set-up on the findings page finds its metric in this build's results."""
+    from bookbuild import findings
+
+    text = findings.page(pipeline.ROOT, tmp_path)
+    assert findings.MISSING not in text and "not in this build" not in text
+    assert findings.NOT_TESTED != findings.chain(pipeline.ROOT)[0][1]  # chapter 4b decides the first link
+
+
 TIMING = re.compile(r"seconds|per_s|_ms$|mem|rss|time", re.I)
 
 
