@@ -8,14 +8,20 @@ standard errors, so a test can feed either side of it.
 """
 from __future__ import annotations
 
+import os
+
+from . import profiles
+
 
 class Unsupported(AssertionError):
     """The numbers of this build no longer support a sentence the chapter prints."""
 
 
 def support(claim: str, holds: bool, numbers: str = "") -> None:
-    """Stop the chapter, naming the sentence, when `holds` is false (`numbers`: the values that decided it)."""
-    if not holds:
+    """Stop the chapter, naming the sentence, when `holds` is false (`numbers`: the values that decided it).
+    In the gpu profile's code-path run on the CPU (every size at its minimum) nothing is checked: that run
+    tests that the code runs, and its few tokens and steps support no sentence."""
+    if not holds and not os.environ.get(profiles.GPU_PATHS_ON_CPU):
         detail = f" ({numbers})" if numbers else ""
         raise Unsupported(f"The numbers of this run no longer support the sentence {claim!r}{detail}: "
                           f"rewrite the paragraph for what the run shows, or find what changed.")

@@ -18,10 +18,13 @@ def test_pick_glues_the_reading_the_numbers_support(glued):
     assert glued["r"] == "not larger"
 
 
-def test_support_stops_the_chapter_naming_the_sentence():
+def test_support_stops_the_chapter_naming_the_sentence(monkeypatch):
+    monkeypatch.delenv(readings.profiles.GPU_PATHS_ON_CPU, raising=False)
     readings.support("bf16 is larger", True)
     with pytest.raises(readings.Unsupported, match="bf16 is larger.*1.0 vs 2.0"):
         readings.support("bf16 is larger", False, "1.0 vs 2.0")
+    monkeypatch.setenv(readings.profiles.GPU_PATHS_ON_CPU, "1")  # the code-path run at minimum sizes
+    readings.support("bf16 is larger", False, "1.0 vs 2.0")
 
 
 def test_differs_is_judged_on_the_standard_error_of_the_difference():
