@@ -209,8 +209,12 @@ def _page(browser, base: str, path: str, width: int, dark: bool = False):
 BROKEN_NUMBERS = """(selector) => [...document.querySelectorAll(selector + ' td')].filter(td => {
   const text = td.textContent.trim();
   if (!/^[-+−]?[0-9][0-9.,]*$/.test(text)) return false;
-  const range = document.createRange(); range.selectNodeContents(td);
-  return new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top))).size > 1;
+  const walker = document.createTreeWalker(td, NodeFilter.SHOW_TEXT), tops = new Set();
+  while (walker.nextNode()) {  // the lines the text itself sits on, not the boxes around it
+    const range = document.createRange(); range.selectNodeContents(walker.currentNode);
+    for (const r of range.getClientRects()) if (r.width > 0) tops.add(Math.round(r.top));
+  }
+  return tops.size > 1;
 }).map(td => td.textContent.trim())"""
 
 
