@@ -369,6 +369,16 @@ def forest_figure(rows: list[tuple[str, float, float]], target: Path) -> Path:
     return target
 
 
+def _scale(read) -> str:
+    """The lab's RL scale as this build's results give it: the toy's parameters, the long run's steps and seeds."""
+    try:
+        return (f"a {read('00_lab:params.dense') / 1e6:.1f}M-parameter model for "
+                f"{read('05b_sampler_precision:decisive.bf16_steps')} steps, "
+                f"{read('05b_sampler_precision:decisive.seeds')} seeds per arm")
+    except KeyError:
+        return "the lab's toy model for a few hundred steps"
+
+
 def _link(chapter: str, section: str) -> str:
     """The chapter's link, and the section that measured it by its heading."""
     return f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb), *{section}*"
@@ -422,10 +432,10 @@ def page(root: Path, site: Path) -> str:
             "Differences in final π-eval accuracy between samplers, 95% intervals.", "```", ""]
     lines += [
         "## What this book could not show, and why", "",
-        "* **The consequence at the paper's scale.** The lab's RL runs train a 0.4M-parameter model on a CPU for "
-        "a few hundred steps. There the bf16 sampler's effect on the policy lies within the noise of the seeds "
-        "run (the forest plot above), and chapter 5b magnifies the mechanism with an emulated 2-bit sampler. "
-        "Whether bf16 degrades billion-parameter RL, and by how much, needs GPU runs of thousands of steps.",
+        f"* **The consequence at the paper's scale.** The lab's RL runs train {_scale(read)} on a CPU. There the "
+        "bf16 sampler's effect on the policy lies within the noise of the seeds run (the forest plot above), and "
+        "chapter 5b magnifies the mechanism with an emulated 2-bit sampler. Whether bf16 degrades "
+        "billion-parameter RL, and by how much, needs GPU runs of thousands of steps.",
         "* **GPU speed and memory.** fp16 against bf16 throughput on an A100 or H100, and the crash itself, need "
         "CUDA; the claims ledger marks them *not measured here* until a GPU reference run is committed.",
         "* **Numbers from one machine.** bf16 results depend on the CPU's kernel set; the build checks its "

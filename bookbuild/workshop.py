@@ -138,8 +138,8 @@ def page(root: Path, site: Path | None = None) -> str:
         f"Every chapter runs in the `cpu` profile; the whole book took {total / 60:.0f} minutes of chapter time in "
         f"this build (the slowest chapter, {slowest}, {status.seconds(ran.get(slowest))}), with the lab's models built "
         "by chapter 0 and cached. Run `make book` once before the session; participants re-run single chapters "
-        "with other parameters into their own folders (`python -m bookbuild.pipeline run STEM -p seed=1 "
-        "--participant NAME`), which never change the book's results. Cells that need CUDA say so and run "
+        "with other parameters into their own folders (see *Running a chapter yourself*), which never change "
+        "the book's results. Cells that need CUDA say so and run "
         "their CPU counterpart: the CUDA crash in chapter 2, FP8 tensor-core timing in chapter 9. The built "
         "book needs no network: serve `_build/html` (`python -m http.server -d _build/html`).", "",
         "## On Colab", "",
