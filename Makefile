@@ -72,11 +72,12 @@ pdf: $(STAMP) browser
 bench:
 	$(PY) -m bookbuild.pipeline bench $(if $(COMPARE),--compare)
 
-# The long run behind chapter 5b's verdict: the uncorrected coarse sampler vs matched fp32 vs token
-# TIS vs bf16, 8 seeds × over 10× the chapter's steps, on every core (21 minutes on 2 cores). Writes
-# results/long/05b_sampler_precision.json, which the chapter shows when present; commit it.
+# The long run behind chapter 5b's verdict, on every core (under an hour on 2): a learning-rate sweep of
+# the fp32 control, the dose-response over the dial at the regime it picks, then the pre-registered fix
+# comparison with the seeds its power needs. Writes results/long/05b_sampler_precision.json, fingerprinted
+# by the modules it runs: rerun and commit it after any change to them (tests/test_long_run.py checks).
 long: $(STAMP)
-	$(PY) -m labutils.mismatch_rl long
+	$(PY) -m labutils.long_run
 
 # Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
 # each participant also runs on their own machine (python -m bookbuild.workshop_check check).

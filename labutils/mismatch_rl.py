@@ -2,27 +2,24 @@
 itself evaluated as it trains, collapses counted over seeds, and the policy-gradient bias measured
 without training.
 
-    python -m labutils.mismatch_rl long     # the long run of the decisive comparison (results/long/)
+The long run behind the chapter's verdict is `labutils.long_run`; what the chapter reads from the runs,
+`labutils.rl_analysis`.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from . import env, grpo, models, rollout, sampler_precision, task
+from . import grpo, models, rollout, sampler_precision, task
 from .profiles import GrpoPlan, Profile
 
 CHAPTER = "05b_sampler_precision"
@@ -41,7 +38,6 @@ class RunSpec:
 
     name: str
     sampler: str  # a sampler_precision name
-    fp32_head: bool = False
     correction: dict = field(default_factory=dict)  # GRPOConfig importance-sampling options
 
 
@@ -53,7 +49,8 @@ def trl_default(option: str):
 
 
 def runs_at(bits: int) -> dict[str, RunSpec]:
-    """The uncorrected run with an emulated `bits`-bit sampler, the matched and bf16 baselines, and every fix."""
+    """The uncorrected run with an emulated `bits`-bit sampler, the matched and bf16 baselines, and two fixes:
+    token-level TIS and sequence-level MIS with trl's default thresholds."""
     coarse = f"m{bits}"
 
     def corrected(mode, clip_max, clip_min=None):
@@ -63,16 +60,15 @@ def runs_at(bits: int) -> dict[str, RunSpec]:
     trl_max, trl_min = trl_default("vllm_importance_sampling_clip_max"), trl_default("vllm_importance_sampling_clip_min")
     specs = [RunSpec("fp32", "fp32"), RunSpec("bf16", "bf16"), RunSpec(coarse, coarse),
              RunSpec(f"{coarse}_tis", coarse, correction=corrected("token_truncate", TIS_CLIP)),
-             RunSpec(f"{coarse}_mis", coarse, correction=corrected("sequence_mask", trl_max, trl_min)),
-             RunSpec(f"{coarse}_seq_truncate", coarse, correction=corrected("sequence_truncate", trl_max)),
-             RunSpec(f"{coarse}_fp32_head", coarse, fp32_head=True)]
+             RunSpec(f"{coarse}_mis", coarse, correction=corrected("sequence_mask", trl_max, trl_min))]
     return {s.name: s for s in specs}
 
 
 def eval_problems(count: int, plan: GrpoPlan, seed: int = 0) -> list[task.Problem]:
     """Held-out problems for the policy evaluation: distinct walks of the training lengths, which the
     training dataset then excludes (pass them as `exclude` to the trainer)."""
-    return task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk, distinct=True)
+    drawn = task.sample_problems(random.Random(30_000 + seed), count, plan.min_walk, plan.max_walk, distinct=True)
+    return sorted(drawn, key=lambda p: p.steps)  # batches of like lengths: greedy decoding stops sooner
 
 
 def policy_eval(problems: list[task.Problem], every: int, start: float | None = None):
@@ -112,7 +108,7 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
     torch.manual_seed(seed)
     model = copy.deepcopy(base_model)
     device = profile.device
-    engine = sampler_precision.engine(model, spec.sampler, device, fp32_head=spec.fp32_head)
+    engine = sampler_precision.engine(model, spec.sampler, device)
     sampler = grpo.EngineRollout(engine, max_new_tokens=task.completion_length(plan.max_walk) + 1, seed=seed)
     args = grpo.config(profile, f"{output_dir}/{spec.name}-s{seed}", seed=seed, plan=plan, **spec.correction)
     trainer = grpo.engine_trainer(model, tokenizer, args, profile, sampler, torch.float32, seed=seed, plan=plan,
@@ -134,71 +130,6 @@ def train(spec: RunSpec, base_model, tokenizer, profile: Profile, plan: GrpoPlan
             "seq_weight_mean": curve("is/seq_weight_mean"), "corrected": curve("is/corrected_fraction"),
             "length": curve("completions/mean_length"), "eval_problems": len(problems),
             "eval_steps": [s for s, _ in evaluator.history], "eval": [a for _, a in evaluator.history]}
-
-
-def collapsed(eval_curve: list[float], margin: float) -> bool:
-    """A seed collapses when its π-eval accuracy ends `margin` or more below where it started."""
-    return eval_curve[-1] <= eval_curve[0] - margin
-
-
-def summarize(curves: list[dict], margin: float, last: int) -> dict:
-    """Per-run figures over seeds: final rollout and π-eval reward, mismatch, gradient norm, ESS, collapses."""
-    def mean(xs):
-        return sum(xs) / len(xs)
-
-    finals = [c["eval"][-1] for c in curves]
-    spread = (sum((f - mean(finals)) ** 2 for f in finals) / (len(finals) - 1)) ** 0.5 if len(finals) > 1 else float("nan")
-    return {"final_reward": mean([mean(c["reward"][-last:]) for c in curves]),
-            "final_eval_reward": mean(finals), "final_eval_std": spread,
-            "start_eval_reward": mean([c["eval"][0] for c in curves]),
-            "mean_kl": mean([mean(c["kl"]) for c in curves]),
-            "max_grad_norm": max(max(c["grad_norm"]) for c in curves),
-            "ess_mean": mean([mean(c["ess"]) for c in curves]),
-            "seq_chi2_mean": mean([mean(c["seq_chi2"]) for c in curves]),
-            "corrected_mean": mean([mean(c["corrected"]) for c in curves]) if curves[0]["corrected"] else 0.0,
-            "collapsed_seeds": sum(collapsed(c["eval"], margin) for c in curves), "seeds": len(curves),
-            "final_evals": finals, "eval_problems": curves[0].get("eval_problems", 0)}
-
-
-def compare(a: dict, b: dict, level: float = 0.95) -> tuple[float, float]:
-    """(gap, threshold) for final π-eval accuracy, b − a.
-
-    The arms share their seeds (data order, initial weights, sampler stream), so the gap is the mean
-    of the per-seed differences, and the threshold is the half-width of its `level` t interval. Its
-    standard error is floored at the binomial noise of evaluating on a finite problem set, so tied
-    seeds cannot make the noise vanish. A difference is claimed only where |gap| > threshold.
-    """
-    from scipy import stats
-
-    pairs = list(zip(a["final_evals"], b["final_evals"]))
-    n = len(pairs)
-    diffs = [y - x for x, y in pairs]
-    gap = sum(diffs) / n
-    if n < 2:
-        return gap, float("inf")
-    spread = (sum((d - gap) ** 2 for d in diffs) / (n - 1)) ** 0.5 / n ** 0.5
-    problems = max(1, min(a.get("eval_problems", 0), b.get("eval_problems", 0)))
-    pa, pb = a["final_eval_reward"], b["final_eval_reward"]
-    binomial = ((pa * (1 - pa) + pb * (1 - pb)) / problems / n) ** 0.5
-    return gap, float(stats.t.ppf(0.5 + level / 2, n - 1)) * max(spread, binomial)
-
-
-def verdict(summaries: dict, uncorrected: str, matched: str, fix: str, fix_role: str = "the fix") -> str:
-    """The decisive comparison's sentence, computed from the per-seed finals and collapse counts."""
-    u, m, f = summaries[uncorrected], summaries[matched], summaries[fix]
-    lines = []
-    for other, role in ((m, f"the matched sampler ({matched})"), (f, f"{fix_role} ({fix})")):
-        gap, noise = compare(u, other)
-        if abs(gap) > noise:
-            word = "ends higher than" if gap > 0 else "ends lower than"
-            lines.append(f"{role} {word} the uncorrected run ({uncorrected}) by {abs(gap):.3f} π-eval accuracy, "
-                         f"beyond the seed noise (±{noise:.3f}, 95% over {u['seeds']} paired seeds)")
-        else:
-            lines.append(f"{role} and the uncorrected run ({uncorrected}) differ by {gap:+.3f}, within the seed "
-                         f"noise (±{noise:.3f}, 95% over {u['seeds']} paired seeds): no difference is claimed")
-    counts = (f"collapsed seeds: uncorrected {u['collapsed_seeds']}/{u['seeds']}, matched {m['collapsed_seeds']}/"
-              f"{m['seeds']}, {fix} {f['collapsed_seeds']}/{f['seeds']}")
-    return "; ".join(lines) + f" ({counts})."
 
 
 def dial_kl(model, settings: list[str], prompts: list[list[int]], length: int, seed: int = 0,
@@ -365,9 +296,9 @@ def _pooled(pool, count: int):
 
 
 def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: list[int], eval_count: int,
-               eval_every: int, margin: float, model_id: str | None = None, workers: int = 1,
+               eval_every: int, model_id: str | None = None, workers: int = 1,
                progress=print, pool=None, model_seed: int = 0) -> dict:
-    """Run every spec at every seed; returns {"curves": {run: [per seed]}, "summary": {run: figures}}.
+    """Run every spec at every seed; returns {run: [curves, one per seed]}.
 
     The runs go to `pool` (see `workers`), or to a pool of `workers` processes made for them.
     """
@@ -386,8 +317,7 @@ def comparison(profile: Profile, plan: GrpoPlan, specs: list[RunSpec], seeds: li
         curves.setdefault(spec.name, []).append(result)
         progress(f"{spec.name} seed {seed}: π-eval {result['eval'][0]:.3f} → {result['eval'][-1]:.3f} "
                  f"({result['seconds']:.0f} s)")
-    last = max(1, plan.steps // 4)
-    return {"curves": curves, "summary": {name: summarize(c, margin, last) for name, c in curves.items()}}
+    return curves
 
 
 def dial_sweep(profile: Profile, settings: list[str], prompts: list[list[int]], length: int, seed: int,
@@ -443,53 +373,3 @@ def _quiet_worker() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def long_run(steps: int, seeds: int, bits: int, eval_count: int, eval_every: int,
-             margin: float, target: Path, workers: int = 1) -> Path:
-    """The decisive comparison, long: write `target` with the curves, figures and provenance."""
-    from . import env
-    from .profiles import PROFILES
-
-    profile = PROFILES["cpu"]
-    plan = dataclasses.replace(profile.sampler_rl, steps=steps)
-    by_role = roles(bits)
-    runs = list(by_role.values())
-    specs = [runs_at(bits)[name] for name in runs]
-    start = time.perf_counter()
-    os.environ["LAB_PROGRESS"] = "1"
-    measured = comparison(profile, plan, specs, list(range(seeds)), eval_count, eval_every, margin, workers=workers,
-                          progress=lambda line: None)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    payload = {"chapter": CHAPTER, "kind": "long run", "profile": profile.name,
-               "seconds": round(time.perf_counter() - start, 1), "env": env.env_report(),
-               "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "cpu": env.cpu_model(), "torch_threads": torch.get_num_threads(),
-               "parameters": {"plan": dataclasses.asdict(plan), "seeds": seeds, "roles": by_role, "bits": bits,
-                              "eval_problems": eval_count, "eval_every": eval_every, "collapse_margin": margin,
-                              "workers": workers},
-               **measured}
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(payload, indent=1, sort_keys=True))
-    return target
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=("long",))
-    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default: the profile's long_steps)")
-    parser.add_argument("--seeds", type=int, default=None, help="seeds per run (default: the profile's long_seeds)")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes, one torch thread each")
-    args = parser.parse_args(argv)
-    from .profiles import PROFILES
-
-    plan = PROFILES["cpu"].sampler
-    steps = args.steps or plan.long_steps
-    target = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTER}.json"
-    path = long_run(steps, args.seeds or plan.long_seeds, plan.bits, plan.long_eval_problems,
-                    max(1, steps // 10), plan.collapse_margin, target, args.workers)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    main()

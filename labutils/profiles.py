@@ -75,6 +75,21 @@ class RoutingPlan:
 
 
 @dataclass(frozen=True)
+class LongPlan:
+    """Chapter 5b's long run, every threshold stated before it runs (labutils.long_run)."""
+
+    steps: int  # GRPO steps per run
+    lrs: tuple[float, ...]  # the learning rates swept on the fp32 control
+    sweep_seeds: int  # fp32 seeds per learning rate, and seeds per dial setting of the dose–response
+    eval_problems: int  # held-out problems of every π-eval
+    eval_every: int
+    min_gain: float  # π-eval accuracy every control seed must gain (mean of its last three evaluations)
+    smallest_effect: float  # the smallest difference in that score a reader should care about
+    max_fix_seeds: int  # a cap on the fix comparison's seeds, whatever the power asks for
+    budget_minutes: float  # the whole run's budget on the machine that makes it
+
+
+@dataclass(frozen=True)
 class SamplerPlan:
     """The sampler-precision chapter: offline dial, gradient bias, and the RL runs' evaluation."""
 
@@ -87,10 +102,8 @@ class SamplerPlan:
     seeds: int  # seeds of the decisive comparison in this profile's run
     eval_problems: int  # held-out problems of the π-eval
     eval_every: int  # steps between π-evals
-    collapse_margin: float  # π-eval accuracy lost, end vs start, that counts as a collapse
-    long_seeds: int  # seeds of the long run (make long)
-    long_steps: int  # its GRPO steps per run: at least 10× the chapter's
-    long_eval_problems: int
+    collapse_margin: float  # π-eval accuracy below a seed's own running maximum that counts as a collapse
+    long: LongPlan  # the long run behind the verdict (make long), fixed before any of its runs
 
 
 @dataclass(frozen=True)
@@ -154,9 +167,11 @@ PROFILES = {
         # 4 steps of walks 4-10 (completions of at most 83 tokens with EOS): chapter 5 runs nine of these, chapter 6 two
         rl=GrpoPlan(steps=4, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=4, max_walk=10, prompts=256),
-        sampler=SamplerPlan(dial_sequences=4, dial_length=800, bias_prompts=16, bias_group=4, bias_batches=6,
-                            bits=2, seeds=2, eval_problems=64, eval_every=3, collapse_margin=0.15,
-                            long_seeds=8, long_steps=150, long_eval_problems=128),
+        sampler=SamplerPlan(dial_sequences=4, dial_length=400, bias_prompts=8, bias_group=4, bias_batches=6,
+                            bits=2, seeds=2, eval_problems=64, eval_every=3, collapse_margin=0.10,
+                            long=LongPlan(steps=80, lrs=(3e-4, 2e-4, 1e-4, 5e-5), sweep_seeds=3, eval_problems=512,
+                                          eval_every=20, min_gain=0.02, smallest_effect=0.05, max_fix_seeds=16,
+                                          budget_minutes=55)),
         sampler_rl=GrpoPlan(steps=6, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
         scaler_steps=30,
@@ -179,8 +194,10 @@ PROFILES = {
         rl=GrpoPlan(steps=300, batch_size=64, num_generations=8, lr=1e-5, lora_rank=0,
                     min_walk=8, max_walk=24, prompts=4096),
         sampler=SamplerPlan(dial_sequences=32, dial_length=1000, bias_prompts=32, bias_group=8, bias_batches=16,
-                            bits=2, seeds=4, eval_problems=512, eval_every=20, collapse_margin=0.15,
-                            long_seeds=8, long_steps=2000, long_eval_problems=1024),
+                            bits=2, seeds=4, eval_problems=512, eval_every=20, collapse_margin=0.10,
+                            long=LongPlan(steps=2000, lrs=(3e-4, 1e-4, 3e-5), sweep_seeds=4, eval_problems=1024,
+                                          eval_every=100, min_gain=0.02, smallest_effect=0.05, max_fix_seeds=32,
+                                          budget_minutes=600)),
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
         scaler_steps=400,

@@ -1,0 +1,172 @@
+"""The long run behind chapter 5b's verdict, in three phases fixed before any run (`make long`):
+
+1. the regime, chosen on the fp32 control alone: a learning-rate sweep;
+2. the dose–response at that regime: every dial setting, its score against its own token KL;
+3. the pre-registered fix comparison at the coarsest setting, with as many fresh seeds as the
+   power asks for and the budget allows.
+
+    python -m labutils.long_run            # writes results/long/05b_sampler_precision.json
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import env, mismatch_rl, models, rl_design
+from .profiles import PROFILES, Profile
+
+CHAPTER = mismatch_rl.CHAPTER
+TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTER}.json"
+DOSE = ("m10", "m7", "m5", "m4", "m3", "m2", "fp8", "bf16")  # the dial, finest emulated setting first
+FIX_SEED0 = 100  # the fix comparison's seeds are fresh: none of them trained in phases 1 or 2
+
+
+def modules_run(name: str = "long_run") -> list[str]:
+    """The labutils modules this run executes: `name` and everything it imports from the package,
+    followed through the source (lazy imports inside functions included)."""
+    folder = Path(__file__).parent
+    found, todo = set(), [name]
+    while todo:
+        module = todo.pop()
+        if module in found or not (folder / f"{module}.py").is_file():
+            continue
+        found.add(module)
+        for node in ast.walk(ast.parse((folder / f"{module}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                todo += [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+    return sorted(found)
+
+
+def code_fingerprint() -> str:
+    """A hash of the contents of the modules the long run executes (not of the whole package)."""
+    folder = Path(__file__).parent
+    digest = hashlib.sha256()
+    for module in modules_run():
+        digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def model_fingerprint(profile: Profile, seed: int = 0) -> str:
+    """The lab model's build key: its size, warm-up and the code that builds it."""
+    return models.build_key("dense", profile.dense, profile.warmup, seed)
+
+
+def stale(payload: dict, profile: Profile | None = None) -> str | None:
+    """Why a committed long-run file cannot be judged here (one sentence), or None where it can."""
+    profile = profile or PROFILES["cpu"]
+    made = payload.get("provenance", {})
+    if made.get("code") != code_fingerprint():
+        return ("The committed long run was made by other code than this checkout's (its fingerprint "
+                f"{made.get('code')}, this code's {code_fingerprint()}): run `make long` and commit its file.")
+    if made.get("model") != model_fingerprint(profile):
+        return ("The committed long run trained another lab model than this checkout builds: run `make long` "
+                "and commit its file.")
+    return None
+
+
+def _jobs(pool, profile: Profile, jobs: list[tuple], eval_count: int, eval_every: int) -> list[dict]:
+    """Run (spec, seed, plan) jobs on `pool`, longest-expected first; results in the order given."""
+    order = sorted(range(len(jobs)), key=lambda i: jobs[i][0].sampler == "fp32")  # dial runs are slower
+    argument = [((profile, jobs[i][2], eval_count, eval_every, None, 0), (jobs[i][0], jobs[i][1])) for i in order]
+    done = dict(zip(order, pool.map(mismatch_rl._job, argument)))
+    return [done[i] for i in range(len(jobs))]
+
+
+def _within_arm_sd(scores: dict[str, list[float]]) -> tuple[float, int]:
+    """The pooled per-seed standard deviation of scores around their own arm's mean, and its degrees of freedom."""
+    squares = sum(sum((s - sum(v) / len(v)) ** 2 for s in v) for v in scores.values() if len(v) > 1)
+    dof = sum(len(v) - 1 for v in scores.values() if len(v) > 1)
+    return math.sqrt(squares / dof), dof
+
+
+def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None, dose: tuple[str, ...] = DOSE) -> Path:
+    """All three phases, written to `target` with their curves, the design and the provenance."""
+    profile = profile or PROFILES["cpu"]
+    S, L = profile.sampler, profile.sampler.long
+    base = dataclasses.replace(profile.sampler_rl, steps=L.steps)
+    specs = mismatch_rl.runs_at(S.bits)
+    specs.update({name: mismatch_rl.RunSpec(name, name) for name in dose if name not in specs})
+    models.lab_model_dir("dense", profile)  # built once here, not by every worker at once
+    os.environ["LAB_PROGRESS"] = "1"
+    pool = mismatch_rl.workers(workers)
+    start, phases = time.perf_counter(), {}
+    curves: dict[str, dict] = {"sweep": {}, "dose": {}, "fix": {}}
+    try:
+        # 1. the regime, on the control alone
+        sweep_seeds = list(range(L.sweep_seeds))
+        jobs = [(specs["fp32"], seed, dataclasses.replace(base, lr=lr)) for lr in L.lrs for seed in sweep_seeds]
+        done = _jobs(pool, profile, jobs, L.eval_problems, L.eval_every)
+        for (_, _, plan), result in zip(jobs, done):
+            curves["sweep"].setdefault(f"{plan.lr:g}", []).append(result)
+        sweep = {float(lr): rl_design.regime(c, L.eval_problems, L.min_gain) for lr, c in curves["sweep"].items()}
+        chosen = rl_design.choose(sweep)
+        phases["sweep"] = time.perf_counter() - start
+        print(f"sweep: {({lr: s['stable'] for lr, s in sweep.items()})}; chosen lr {chosen}", flush=True)
+        if chosen is None:
+            raise SystemExit("No learning rate of the sweep gave a stable fp32 control "
+                             f"({sweep}): widen `lrs` in the cpu profile's long plan and run again.")
+        plan = dataclasses.replace(base, lr=chosen)
+        # 2. the dose–response at the chosen regime; its fp32 arm is the sweep's seeds at that rate
+        jobs = [(specs[name], seed, plan) for name in dose for seed in sweep_seeds]
+        for (spec, _, _), result in zip(jobs, _jobs(pool, profile, jobs, L.eval_problems, L.eval_every)):
+            curves["dose"].setdefault(spec.name, []).append(result)
+        curves["dose"]["fp32"] = curves["sweep"][f"{chosen:g}"]
+        phases["dose"] = time.perf_counter() - start - phases["sweep"]
+        # 3. power from the regime's own seeds, then the fix comparison on fresh seeds
+        scores = {name: [rl_design.score(c["eval"]) for c in per_seed] for name, per_seed in curves["dose"].items()}
+        sd_seed, dof = _within_arm_sd(scores)
+        sd_diff = math.sqrt(2) * sd_seed  # paired seeds of different samplers hardly correlate
+        needed = rl_design.seeds_needed(L.smallest_effect, sd_diff)
+        roles = mismatch_rl.roles(S.bits)
+        per_seed_cost = sum(sum(c["seconds"] for c in curves["dose"][specs[r].sampler]) / L.sweep_seeds
+                            for r in roles.values())  # the TIS run costs what its sampler's run costs
+        left = L.budget_minutes * 60 - (time.perf_counter() - start)
+        fits = max(2, int(left * workers / per_seed_cost))
+        fix_seeds = list(range(FIX_SEED0, FIX_SEED0 + min(needed, fits, L.max_fix_seeds)))
+        print(f"power: sd {sd_seed:.3f} ({dof} dof), {needed} seeds needed, {len(fix_seeds)} run", flush=True)
+        jobs = [(specs[name], seed, plan) for name in roles.values() for seed in fix_seeds]
+        for (spec, _, _), result in zip(jobs, _jobs(pool, profile, jobs, L.eval_problems, L.eval_every)):
+            curves["fix"].setdefault(spec.name, []).append(result)
+        phases["fix"] = time.perf_counter() - start - phases["sweep"] - phases["dose"]
+    finally:
+        pool.shutdown()
+    payload = {
+        "chapter": CHAPTER, "kind": "long run", "profile": profile.name,
+        "seconds": round(time.perf_counter() - start, 1), "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "provenance": {"code": code_fingerprint(), "modules": modules_run(), "model": model_fingerprint(profile),
+                       "profile": profile.name,
+                       "cpu": env.cpu_model(), "kernel_set": env.kernel_set(), "env": env.env_report(),
+                       "torch_threads": 1, "workers": workers},
+        "design": {"long": dataclasses.asdict(L), "plan": dataclasses.asdict(plan), "bits": S.bits, "roles": roles,
+                   "dose": list(dose), "sweep": {f"{lr:g}": s for lr, s in sweep.items()}, "chosen_lr": chosen,
+                   "sd_seed": sd_seed, "sd_dof": dof, "sd_diff": sd_diff, "seeds_needed": needed,
+                   "fix_seeds": fix_seeds},
+        "curves": curves,
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes, one torch thread each")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"wrote {run(workers=args.workers)}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    main()

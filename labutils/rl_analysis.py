@@ -1,0 +1,142 @@
+"""What chapter 5b reads from its RL runs: per-arm summaries, paired comparisons in the ledger's
+vocabulary, collapses against a seed's own running maximum, whether the mismatch rose before them,
+and the dose–response of the trained policy's score on the mismatch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+from .readings import power
+from .rl_design import LEVEL, binomial_se, score
+
+DIFFERENCE, NO_DIFFERENCE, INCONCLUSIVE = "a difference", "no difference, with power", "inconclusive"
+
+
+def collapse_at(evals: list[float], margin: float, stay: int = 2) -> int | None:
+    """The index of the π-eval where a seed collapses, or None: it falls `margin` or more below its own
+    running maximum and stays there for at least `stay` evaluations."""
+    best = evals[0]
+    for i, value in enumerate(evals):
+        if value <= best - margin and len(evals[i:i + stay]) == stay and all(v <= best - margin for v in evals[i:i + stay]):
+            return i
+        best = max(best, value)
+    return None
+
+
+def kl_rise_before(curve: dict, margin: float) -> bool | None:
+    """For a collapsed run, whether its token KL in the steps just before the collapse exceeds its KL in
+    as many steps at the start (None for a run that did not collapse)."""
+    at = collapse_at(curve["eval"], margin)
+    if at is None:
+        return None
+    step = curve["eval_steps"][at]
+    width = max(1, (curve["eval_steps"][1] - curve["eval_steps"][0]) // 2)
+    kl = curve["kl"]  # one value per optimizer step, step 1 first
+    before, first = kl[max(0, step - width):step], kl[:width]
+    return sum(before) / len(before) > sum(first) / len(first)
+
+
+def kl_rise_late(curve: dict) -> bool:
+    """The same comparison for any run: is its KL over the last steps above its KL over as many first steps?"""
+    width = max(1, (curve["eval_steps"][1] - curve["eval_steps"][0]) // 2)
+    kl = curve["kl"]
+    return sum(kl[-width:]) / width > sum(kl[:width]) / width
+
+
+def clustered_fit(x: list[float], y: list[float], clusters: list[str], level: float = 1 - LEVEL) -> dict:
+    """Least squares of y on x, with the slope's interval robust to correlation within a cluster.
+
+    The seeds of one arm share its sampler and so its errors; the cluster-robust (CR1) variance sums the
+    score contributions per arm, and the interval uses a t with (arms − 1) degrees of freedom.
+    """
+    X = np.column_stack([np.ones(len(x)), np.asarray(x, float)])
+    Y = np.asarray(y, float)
+    bread = np.linalg.inv(X.T @ X)
+    beta = bread @ X.T @ Y
+    resid = Y - X @ beta
+    groups = sorted(set(clusters))
+    meat = np.zeros((2, 2))
+    for g in groups:
+        rows = [i for i, c in enumerate(clusters) if c == g]
+        u = X[rows].T @ resid[rows]
+        meat += np.outer(u, u)
+    n, k, G = len(Y), 2, len(groups)
+    cov = bread @ meat @ bread * G / (G - 1) * (n - 1) / (n - k)
+    se = float(math.sqrt(cov[1, 1]))
+    half = float(stats.t.ppf(0.5 + level / 2, G - 1)) * se
+    return {"slope": float(beta[1]), "intercept": float(beta[0]), "slope_se": se,
+            "slope_low": float(beta[1]) - half, "slope_high": float(beta[1]) + half,
+            "runs": n, "clusters": G, "residual_sd": float(math.sqrt(resid @ resid / (n - k)))}
+
+
+def summarize(curves: list[dict], margin: float) -> dict:
+    """One arm over its seeds: scores (mean of each seed's last three π-evals), collapses, mismatch, health."""
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    scores = [score(c["eval"]) for c in curves]
+    spread = math.sqrt(sum((s - mean(scores)) ** 2 for s in scores) / (len(scores) - 1)) if len(scores) > 1 else float("nan")
+    last = max(1, len(curves[0]["reward"]) // 4)
+    return {"score": mean(scores), "score_sd": spread, "scores": scores, "seeds": len(curves),
+            "start_eval_reward": mean([c["eval"][0] for c in curves]),
+            "final_reward": mean([mean(c["reward"][-last:]) for c in curves]),
+            "mean_kl": mean([mean(c["kl"]) for c in curves]),
+            "max_grad_norm": max(max(c["grad_norm"]) for c in curves),
+            "ess_mean": mean([mean(c["ess"]) for c in curves]),
+            "seq_chi2_mean": mean([mean(c["seq_chi2"]) for c in curves]),
+            "corrected_mean": mean([mean(c["corrected"]) for c in curves]) if curves[0]["corrected"] else 0.0,
+            "collapsed_seeds": sum(collapse_at(c["eval"], margin) is not None for c in curves),
+            "eval_problems": curves[0].get("eval_problems", 0)}
+
+
+def compare(a: dict, b: dict, level: float = 1 - LEVEL) -> tuple[float, float]:
+    """(gap, half-width) of the score, b − a, over the seeds the two arms share.
+
+    Each pair shares its seed (data order, initial weights, sampler stream), so the gap is the mean of the
+    per-seed differences and the half-width that of its t interval. Its standard error is floored at the
+    binomial noise of a three-evaluation score on a finite problem set, so tied seeds cannot make the noise
+    vanish.
+    """
+    diffs = [y - x for x, y in zip(a["scores"], b["scores"])]
+    n = len(diffs)
+    gap = sum(diffs) / n
+    if n < 2:
+        return gap, float("inf")
+    spread = math.sqrt(sum((d - gap) ** 2 for d in diffs) / (n - 1) / n)
+    problems = max(1, min(a["eval_problems"], b["eval_problems"]))
+    binomial = math.hypot(binomial_se(a["score"], 3 * problems), binomial_se(b["score"], 3 * problems)) / math.sqrt(n)
+    return gap, float(stats.t.ppf(0.5 + level / 2, n - 1)) * max(spread, binomial)
+
+
+def conclusion(gap: float, half: float, effect: float) -> tuple[str, float]:
+    """A comparison in the book's vocabulary, with the power that qualifies it.
+
+    Beyond its interval it is *a difference*. Within it, it is *no difference, with power* where a true
+    difference of `effect` (the smallest one that matters, fixed in advance) would be seen with at least
+    80% power; otherwise *inconclusive*, with the power for the gap observed.
+    """
+    if abs(gap) > half:
+        return DIFFERENCE, power(gap, half)
+    if power(effect, half) >= 0.8:
+        return NO_DIFFERENCE, power(effect, half)
+    return INCONCLUSIVE, power(gap, half)
+
+
+def sentence(gap: float, half: float, effect: float, seeds: int) -> str:
+    """`conclusion` written out, for the chapter's prose."""
+    kind, p = conclusion(gap, half, effect)
+    where = f"{gap:+.3f} π-eval accuracy (95% interval ±{half:.3f}, {seeds} paired seeds)"
+    if kind == DIFFERENCE:
+        return f"a difference: {where}."
+    if kind == NO_DIFFERENCE:
+        return f"no difference, with power: {where}, with {p:.0%} power to see an effect of {effect:.2f}."
+    return f"inconclusive: {where}; power {p:.0%} for the observed gap."
+
+
+def dose_points(curves: dict[str, list[dict]], floor: str = "fp32") -> list[tuple[str, float, float]]:
+    """(arm, log10 of the run's own mean token KL, score) for every run but the `floor` arm's."""
+    return [(name, math.log10(sum(c["kl"]) / len(c["kl"])), score(c["eval"]))
+            for name, per_seed in curves.items() if name != floor for c in per_seed]

@@ -1,0 +1,39 @@
+"""The long run behind chapter 5b: its three phases in miniature, its provenance, and the committed file."""
+import dataclasses
+import json
+
+from labutils import long_run, profiles
+
+
+def test_the_committed_long_run_was_made_by_this_code_and_this_lab_model():
+    payload = json.loads(long_run.TARGET.read_text())
+    assert long_run.stale(payload) is None, long_run.stale(payload)
+    assert payload["design"]["long"]["eval_problems"] >= 512
+
+
+def test_a_file_from_other_code_is_refused_in_one_sentence():
+    payload = {"provenance": {"code": "0" * 16, "model": long_run.model_fingerprint(profiles.PROFILES["cpu"])}}
+    said = long_run.stale(payload)
+    assert said.count(". ") == 0 and said.endswith(".") and "make long" in said
+
+
+def test_the_fingerprint_covers_the_modules_the_run_imports_and_not_the_chapters_helpers():
+    modules = long_run.modules_run()
+    assert {"long_run", "mismatch_rl", "grpo", "rollout", "sampler_precision", "rl_design"} <= set(modules)
+    assert not {"rl_analysis", "readings", "plots", "results"} & set(modules)
+
+
+def test_the_three_phases_run_and_record_what_the_chapter_reads(tmp_path):
+    cpu = profiles.PROFILES["cpu"]
+    tiny = dataclasses.replace(cpu.sampler.long, steps=2, lrs=(1e-4, 5e-5), sweep_seeds=2, eval_problems=8,
+                               eval_every=1, min_gain=-1.0, max_fix_seeds=2, budget_minutes=60)
+    profile = dataclasses.replace(cpu, sampler=dataclasses.replace(cpu.sampler, long=tiny))
+    path = long_run.run(tmp_path / "long.json", workers=1, profile=profile, dose=("m2", "bf16"))
+    found = json.loads(path.read_text())
+    design, curves = found["design"], found["curves"]
+    assert design["chosen_lr"] == 1e-4  # every rate passes a gain of -1: the largest is chosen
+    assert set(design["sweep"]) == {"0.0001", "5e-05"} and design["seeds_needed"] >= 2
+    assert set(curves["dose"]) == {"m2", "bf16", "fp32"} and len(curves["dose"]["m2"]) == 2
+    assert set(curves["fix"]) == set(design["roles"].values())
+    assert design["fix_seeds"][0] == long_run.FIX_SEED0
+    assert found["provenance"]["code"] == long_run.code_fingerprint()

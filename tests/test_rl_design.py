@@ -1,0 +1,73 @@
+"""The long run's design: regime choice, collapse, the KL precursor, the clustered dose fit and the power."""
+import math
+import random
+
+import pytest
+
+from labutils import rl_analysis, rl_design
+
+
+def _curve(evals, kl=None, every=10):
+    steps = [i * every for i in range(len(evals))]
+    return {"eval": evals, "eval_steps": steps, "kl": kl or [1e-3] * steps[-1]}
+
+
+def test_a_dip_limit_widens_with_the_evaluations_it_is_corrected_for():
+    one, many = rl_design.dip_limit(0.9, 512, 1), rl_design.dip_limit(0.9, 512, 24)
+    assert many > one > 0
+    # one-sided 5% over one evaluation: 1.645 standard errors of a difference of two binomial evaluations
+    assert one == pytest.approx(1.645 * math.sqrt(2 * 0.9 * 0.1 / 512), rel=1e-3)
+
+
+def test_the_regime_is_the_largest_rate_whose_every_seed_gains_without_dipping():
+    steady = [_curve([0.9, 0.92, 0.95, 0.96, 0.97])] * 4
+    dipping = [_curve([0.9, 0.6, 0.95, 0.96, 0.97])] + steady[1:]
+    flat = [_curve([0.9, 0.9, 0.9, 0.9, 0.9])] * 4
+    sweep = {3e-4: rl_design.regime(dipping, 512, 0.02), 1e-4: rl_design.regime(steady, 512, 0.02),
+             3e-5: rl_design.regime(flat, 512, 0.02)}
+    assert not sweep[3e-4]["stable"] and sweep[1e-4]["stable"] and not sweep[3e-5]["stable"]
+    assert sweep[3e-4]["fp32_min_dip"] == pytest.approx(-0.3)
+    assert sweep[3e-5]["fp32_improved_seeds"] == 0
+    assert rl_design.choose(sweep) == 1e-4
+    assert rl_design.choose({3e-4: sweep[3e-4]}) is None
+
+
+def test_a_collapse_is_a_fall_below_the_running_maximum_that_stays():
+    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.82, 0.9], 0.1) == 2  # below its maximum 0.95, twice
+    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.95, 0.8], 0.1) is None  # recovers at once each time
+    assert rl_analysis.collapse_at([0.8, 0.85, 0.9, 0.95, 0.8], 0.1) is None  # the last evaluation alone
+    assert rl_analysis.collapse_at([0.9, 0.7, 0.7], 0.1) == 1  # below the start counts too
+
+
+def test_the_precursor_compares_the_kl_before_the_collapse_with_the_kl_at_the_start():
+    rising = _curve([0.9, 0.95, 0.7, 0.7], kl=[1e-3] * 15 + [5e-3] * 15)
+    falling = _curve([0.9, 0.95, 0.7, 0.7], kl=[5e-3] * 15 + [1e-3] * 15)
+    steady = _curve([0.9, 0.95, 0.96, 0.97])
+    assert rl_analysis.kl_rise_before(rising, 0.1) is True
+    assert rl_analysis.kl_rise_before(falling, 0.1) is False
+    assert rl_analysis.kl_rise_before(steady, 0.1) is None
+    assert rl_analysis.kl_rise_late(rising) and not rl_analysis.kl_rise_late(falling)
+
+
+def test_the_clustered_interval_is_wider_than_the_naive_one_when_arms_share_an_error():
+    rng = random.Random(0)
+    x, y, arm = [], [], []
+    for a in range(8):
+        shared = rng.gauss(0, 0.05)  # one error for every seed of the arm
+        for _ in range(4):
+            x.append(-6 + a * 0.5)
+            y.append(0.9 - 0.02 * x[-1] * 0 + shared + rng.gauss(0, 0.01))
+            arm.append(str(a))
+    fit = rl_analysis.clustered_fit(x, y, arm)
+    naive = rl_analysis.clustered_fit(x, y, [str(i) for i in range(len(x))])
+    assert fit["slope_high"] - fit["slope_low"] > naive["slope_high"] - naive["slope_low"]
+    assert fit["runs"] == 32 and fit["clusters"] == 8
+    exact = rl_analysis.clustered_fit([0, 1, 2, 3], [1, 3, 5, 7], ["a", "a", "b", "b"])
+    assert exact["slope"] == pytest.approx(2) and exact["intercept"] == pytest.approx(1)
+
+
+def test_the_seeds_needed_give_the_power_asked_for_and_one_fewer_does_not():
+    n = rl_design.seeds_needed(0.05, 0.05)
+    assert rl_design.paired_power(0.05, 0.05, n) >= 0.8 > rl_design.paired_power(0.05, 0.05, n - 1)
+    assert 9 <= n <= 11  # the normal approximation gives (1.96 + 0.84)² = 7.8, the t a little more
+    assert rl_design.seeds_needed(0.05, 0.1) > n
