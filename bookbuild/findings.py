@@ -99,9 +99,9 @@ FINDINGS = [
                              f"(95% interval {m('04b_real_mismatch:real.ratio.bf16_over_fp16_low'):.0f}–"
                              f"{m('04b_real_mismatch:real.ratio.bf16_over_fp16_high'):.0f}×); "
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
-         Evidence("05b_sampler_precision", "The decisive comparison", MECHANISM,
-                  lambda m: (f"whether a bf16 sampler harms RL, on the toy with an fp32 trainer: final π-eval of "
-                             f"the bf16 sampler's runs minus the fp32 sampler's "
+         Evidence("05b_sampler_precision", "The pre-registered fix comparison", MECHANISM,
+                  lambda m: (f"whether a bf16 sampler harms RL, on the toy with an fp32 trainer: score (mean of "
+                             f"the last three π-evals) of the bf16 sampler's runs minus the fp32 sampler's "
                              f"{m('05b_sampler_precision:decisive.bf16_gap'):+.3f} "
                              f"(95% interval ±{m('05b_sampler_precision:decisive.bf16_noise'):.3f})")),
          Evidence("05_grpo_precision", "The source's table, and this run", NOT_SHOWN,
@@ -294,7 +294,7 @@ def chain(root: Path) -> list[tuple[str, str, str]]:
         mismatch = NOT_TESTED
     settled = real.get("real.drift_settled")  # the chapter's own test: the slope powered, and within 3 SE of the drift
     drift = NOT_TESTED if settled is None else SHOWN_LINK if settled else UNRESOLVED
-    degrades = _from_verdict(_verdict(found, "The mechanism, magnified"))
+    degrades = _from_verdict(_verdict(found, "The mechanism: the larger"))
     restores = _from_verdict(_verdict(found, "Importance-sampling corrections"))
     gpu = NOT_TESTED if not (root / "results" / "gpu" / "05b_sampler_precision.json").is_file() else UNRESOLVED
     return [("bf16 rounding makes the sampler's μ differ from the trainer's π", mismatch, "04b_real_mismatch"),
@@ -345,7 +345,7 @@ FOREST = (("bf16 sampler − fp32 sampler", "decisive.bf16_gap", "decisive.bf16_
 
 
 def forest_rows(root: Path) -> list[tuple[str, float, float]]:
-    """Chapter 5b's RL comparisons as (label, difference in final π-eval accuracy, 95% half-width)."""
+    """Chapter 5b's RL comparisons as (label, difference in score, 95% half-width)."""
     metrics = load_all(root / "_build" / "results").get("05b_sampler_precision", {}).get("metrics", {})
     return [(label, metrics[gap], metrics[noise]) for label, gap, noise in FOREST if gap in metrics and noise in metrics]
 
@@ -361,7 +361,7 @@ def forest_figure(rows: list[tuple[str, float, float]], target: Path) -> Path:
         ax.errorbar(gap, y, xerr=noise, fmt="o", color="#1565c0", capsize=4)
     ax.axvline(0, color="#424242", lw=1)
     ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)])
-    ax.set(xlabel="difference in final π-eval accuracy (95% interval)")
+    ax.set(xlabel="difference in score, the mean of the last three π-evals (95% interval)")
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(target, format="svg")
@@ -427,15 +427,16 @@ def page(root: Path, site: Path) -> str:
             "## The RL comparisons, with their intervals", "",
             "Chapter 5b's pre-registered comparisons of the trained policy's own accuracy (π-eval), as differences "
             "with 95% intervals over paired seeds. An interval that crosses zero is no evidence either way unless "
-            "the chapter states the power to see the claimed effect.", "",
+            "it is narrow enough to see the smallest effect that matters: the chapter states that power.", "",
             f"```{{figure}} {FIGURES}/forest.svg", ":name: findings-forest", "",
-            "Differences in final π-eval accuracy between samplers, 95% intervals.", "```", ""]
+            "Differences in score (the mean of the last three π-evals) between samplers, 95% intervals.", "```", ""]
     lines += [
         "## What this book could not show, and why", "",
         f"* **The consequence at the paper's scale.** The lab's RL runs train {_scale(read)} on a CPU. There the "
-        "bf16 sampler's effect on the policy lies within the noise of the seeds run (the forest plot above), and "
-        "chapter 5b magnifies the mechanism with an emulated 2-bit sampler. Whether bf16 degrades "
-        "billion-parameter RL, and by how much, needs GPU runs of thousands of steps.",
+        f"claim that a bf16 sampler degrades RL is *{_verdict(ledger.entries(root), 'BF16 RL training degrades')}* "
+        "(the forest plot above), and chapter 5b turns a dial of emulated formats past bf16's mismatch to see "
+        "the mechanism. Whether bf16 degrades billion-parameter RL, and by how much, needs GPU runs of "
+        "thousands of steps.",
         "* **GPU speed and memory.** fp16 against bf16 throughput on an A100 or H100, and the crash itself, need "
         "CUDA; the claims ledger marks them *not measured here* until a GPU reference run is committed.",
         "* **Numbers from one machine.** bf16 results depend on the CPU's kernel set; the build checks its "

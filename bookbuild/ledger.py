@@ -39,35 +39,42 @@ def _pct(x):
     return f"{x:.1%}"
 
 
-def _comparison(gap, noise, better_if_positive=True):
-    """A chapter's comparison in the ledger's vocabulary: a difference confirms or contradicts; otherwise inconclusive."""
+def _comparison(gap, noise, better_if_positive=True, effect=None):
+    """A chapter's comparison in the ledger's vocabulary: a difference confirms or contradicts; no difference,
+    with 80% power to see `effect` (the smallest effect that matters), contradicts; otherwise inconclusive."""
     if abs(gap) <= noise:
+        if effect is not None and power(effect, noise) >= 0.8:
+            return f"{CONTRADICTED} (no difference, with {power(effect, noise):.0%} power to see an effect of {effect:.3g})"
         return f"{INCONCLUSIVE} (power {power(gap, noise):.0%} for the observed gap)"
     return CONFIRMED if (gap > 0) == better_if_positive else CONTRADICTED
 
 
-def _bf16_degrades(basis, seeds, steps, gap, noise):
-    """BF16 RL degrades: the bf16 sampler's final π-eval accuracy against the fp32 sampler's."""
-    measured = (f"bf16 vs fp32 sampler ({basis}, {seeds} paired seeds, {steps} steps): final π-eval accuracy "
-                f"{gap:+.3f} (95% interval ±{noise:.3f}); the comparison is fp32, stricter than the paper's FP16")
-    return measured, _comparison(gap, noise, better_if_positive=False)
+def _long_run_only(basis):
+    return None if basis == "long run" else NOT_MEASURED + " (needs the long run, `make long`)"
 
 
-def _coarse_degrades(basis, seeds, gap, noise, collapsed_u, collapsed_m):
-    """The mechanism, magnified: a sampler with 2 emulated mantissa bits against the matched one, on the long run only."""
-    measured = (f"{basis}, {seeds} paired seeds: the matched sampler ends {gap:+.3f} π-eval accuracy above the "
-                f"uncorrected sampler with 2 emulated mantissa bits (95% interval ±{noise:.3f}); collapsed seeds "
-                f"{collapsed_u} vs {collapsed_m}")
-    if basis != "long run":
-        return measured + "; the short run cannot decide", NOT_MEASURED + " (needs the long run, `make long`)"
-    return measured, _comparison(gap, noise)
+def _bf16_degrades(basis, seeds, steps, gap, noise, effect):
+    """BF16 RL degrades: the bf16 sampler's score against the fp32 sampler's, on the long run's fresh seeds."""
+    measured = (f"bf16 vs fp32 sampler ({basis}, {seeds} paired seeds, {steps} steps): score {gap:+.3f} "
+                f"(95% interval ±{noise:.3f}); the comparison is fp32, stricter than the paper's FP16")
+    return measured, _long_run_only(basis) or _comparison(gap, noise, better_if_positive=False, effect=effect)
 
 
-def _restores(basis, fix, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
+def _coarse_degrades(basis, bits, slope, low, high, runs, effect_slope, gap, noise, effect):
+    """The mechanism: the score falls with the run's own mismatch, across the dial (the dose–response)."""
+    measured = (f"{basis}: score {slope:+.3f} per tenfold rise in the run's token KL (95% {low:+.3f} to {high:+.3f}, "
+                f"{runs} runs clustered by setting); at {bits} emulated mantissa bits the matched sampler ends "
+                f"{gap:+.3f} (±{noise:.3f}) above the uncorrected one")
+    return measured, _long_run_only(basis) or _comparison(-slope, (high - low) / 2, effect=effect_slope)
+
+
+def _restores(basis, fix, bits, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
     """The correction restores training: it beats the uncorrected run and reaches the matched one."""
-    measured = (f"{basis}: matched vs uncorrected sampler with 2 emulated mantissa bits {gap_m:+.3f} (±{noise_m:.3f}); "
-                f"{fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}); {fix} vs matched {gap_fm:+.3f} (±{noise_fm:.3f}) "
-                "π-eval accuracy")
+    measured = (f"{basis}: matched vs uncorrected sampler with {bits} emulated mantissa bits {gap_m:+.3f} "
+                f"(±{noise_m:.3f}); {fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}); {fix} vs matched "
+                f"{gap_fm:+.3f} (±{noise_fm:.3f}) score")
+    if basis != "long run":
+        return measured, _long_run_only(basis)
     if gap_m <= noise_m:  # nothing to restore has been shown
         return measured, (f"{INCONCLUSIVE} (the uncorrected run's loss is within noise, power "
                           f"{power(gap_m, noise_m):.0%}: nothing shown to restore)")
@@ -237,15 +244,16 @@ CLAIMS = [
               else INCONCLUSIVE + " (outside the band, but with more than 5% of its steps skipped)")),
     Claim("paper", "BF16 RL training degrades or collapses where FP16 does not.",
           "Its BF16 runs degrade or collapse; its FP16 runs do not.", "05b_sampler_precision",
-          tuple(f"decisive.bf16_{k}" for k in ("basis", "seeds", "steps", "gap", "noise")), _bf16_degrades),
-    Claim("paper", "The mechanism, magnified: RL on samples from a much coarser sampler (2 mantissa bits, "
-          "emulated) degrades the policy; a matched sampler does not.",
+          tuple(f"decisive.bf16_{k}" for k in ("basis", "seeds", "steps", "gap", "noise")) + ("decisive.effect",),
+          _bf16_degrades),
+    Claim("paper", "The mechanism: the larger the mismatch between sampler and trainer, the worse the policy "
+          "RL trains on the sampler's samples (a dose–response over emulated and real formats).",
           "Attributes BF16's collapses to the mismatch between sampler and trainer.", "05b_sampler_precision",
-          tuple(f"decisive.{k}" for k in ("basis", "seeds", "gap_matched", "noise_matched", "collapsed_uncorrected",
-                                          "collapsed_matched")), _coarse_degrades),
+          tuple(f"decisive.{k}" for k in ("basis", "bits", "dose_slope", "dose_slope_low", "dose_slope_high", "dose_runs",
+                                          "dose_effect", "gap_matched", "noise_matched", "effect")), _coarse_degrades),
     Claim("is", "Importance-sampling corrections (token TIS) restore training under the mismatch.",
           "Its BF16 runs with these corrections train slower or less stably than FP16.", "05b_sampler_precision",
-          tuple(f"decisive.{k}" for k in ("basis", "fix", "gap_matched", "noise_matched", "gap_fix", "noise_fix",
+          tuple(f"decisive.{k}" for k in ("basis", "fix", "bits", "gap_matched", "noise_matched", "gap_fix", "noise_fix",
                                           "gap_fix_vs_matched", "noise_fix_vs_matched")), _restores),
     Claim("fp16", "FP16 trains faster than BF16 on A100/H100.", "", "05_grpo_precision",
           ("combo.fp16_fp16.tokens_per_s", "combo.bf16_bf16.tokens_per_s"),
@@ -319,8 +327,9 @@ def page(root: Path) -> str:
         f"{versions.get('device_name', 'unknown device')}, torch {versions.get('torch', '?')}, trl "
         f"{versions.get('trl', '?')}); GPU measurements, where shown, from committed reference runs in `results/gpu/`. "
         "Each verdict is computed from the chapter's own measurement and its noise: *confirmed* or *contradicted* "
-        "(decided beyond the measurement's noise), *inconclusive* (within it, with the power to see the claimed "
-        "effect), *not measured here* (nothing this book runs here can decide it; the verdict says what it needs), "
+        "(a difference beyond the measurement's noise), *contradicted* also where there is no difference and the "
+        "measurement had at least 80% power to see the smallest effect that matters (the cell says which), "
+        "*inconclusive* (within the noise, without that power; the cell gives the power), *not measured here* (nothing this book runs here can decide it; the verdict says what it needs), "
         "or *redundant* (a recipe that is harmless and changes nothing). Each measured cell names the threshold "
         "its verdict uses.", "",
         "Claims about GPUs (speed on an A100 or H100) are judged only on committed GPU reference results, "

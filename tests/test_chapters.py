@@ -69,10 +69,18 @@ REQUIRED_METRICS = {
        "ratio.kl_bf16_fp16_over_bf16_bf16", "autocast.linear.equals_rounded_inputs",
        "autocast.linear.equals_rounded_output", "autocast.residual_dtype", "autocast.linear_output_dtype"],
     "05b_sampler_precision": [f"dial.{m}.{k}" for m in (10, 7, 5, 4, 3, 2) for k in ("token_kl", "seq_kl_1k")]
-    + ["dial.fp8_e4m3.token_kl", "rl.verdict"] + [f"bias.{m}.cosine" for m in (10, 7, 5, 4, 3, 2)]
+    + ["dial.fp8_e4m3.token_kl"] + [f"bias.{m}.cosine" for m in (10, 7, 5, 4, 3, 2)]
     + [f"rl.{run}.{m}" for run in mismatch_rl.runs_at(profiles.PROFILES["cpu"].sampler.bits)
-       for m in ("final_reward", "final_eval_reward", "mean_kl", "max_grad_norm", "ess_mean", "collapsed_seeds", "seeds")]
-    + [f"decisive.{k}" for k in ("gap_matched", "noise_matched", "gap_fix", "noise_fix", "bf16_gap", "bf16_noise")],
+       for m in ("final_reward", "score", "mean_kl", "max_grad_norm", "ess_mean", "collapsed_seeds", "seeds")]
+    + [f"decisive.{k}" for k in ("gap_matched", "noise_matched", "gap_fix", "noise_fix", "bf16_gap", "bf16_noise",
+                                 "effect", "bits", "dose_slope", "dose_slope_low", "dose_slope_high")]
+    # the long run's figures, under the names its issue asked for
+    + [f"long.lr_sweep.{lr:.0e}.{k}" for lr in profiles.PROFILES["cpu"].sampler.long.lrs
+       for k in ("fp32_min_dip", "fp32_improved_seeds")]
+    + ["long.chosen_lr", "long.eval_problems", "long.kl_rises_before_collapse", "long.collapses",
+       "long.fp32.collapsed_seeds", "long.m2.collapsed_seeds", "long.m2_tis.collapsed_seeds", "long.bf16.collapsed_seeds"]
+    + [f"long.dose.{k}" for k in ("slope", "slope_low", "slope_high", "runs")]
+    + [f"long.power.{k}" for k in ("seeds_needed", "achieved")],
     "06_moe": [f"flip_rate.{p}" for p in ("fp32", "bf16", "fp16")] + [f"kl.{p}" for p in ("fp32", "bf16", "fp16")]
     + [f"flip_rate.router_fp32.{p}" for p in ("bf16", "fp16")]
     + [f"grpo.{p}.{m}" for p in ("bf16", "fp16") for m in ("final_reward", "mean_kl", "mean_flip_rate")],
@@ -270,6 +278,22 @@ def test_sampler_dial_orders_the_mismatch_and_the_runs_are_evaluated():
     beyond = [m for m in ("10", "7", "5", "4", "3", "2")
               if float(metrics[f"bias.{m}.relative_bias_sq"]) > 2 * float(metrics[f"bias.{m}.relative_bias_sq_stderr"])]
     assert metrics["bias.detected_at"] == (",".join(beyond) or "none")  # the sentence's claim is the measured one
+
+
+def test_the_long_run_decides_at_the_largest_stable_rate_and_its_dose_reading_follows_its_interval():
+    from labutils import rl_analysis
+
+    metrics = metrics_of("05b_sampler_precision")
+    assert metrics["decisive.basis"] == "long run"  # the committed file was made by this code
+    stable = {float(k.split(".")[2]): v for k, v in metrics.items() if k.startswith("long.lr_sweep.") and k.endswith(".stable")}
+    assert metrics["long.chosen_lr"] == pytest.approx(max(lr for lr, ok in stable.items() if ok))
+    low, high = metrics["long.dose.slope_low"], metrics["long.dose.slope_high"]
+    assert low <= metrics["long.dose.slope"] <= high
+    excludes_zero = low > 0 or high < 0
+    assert (metrics["long.dose.conclusion"] == rl_analysis.DIFFERENCE) == excludes_zero
+    assert metrics["long.kl_rises_before_collapse"] <= metrics["long.collapses"]
+    assert metrics["long.power.seeds_run"] <= max(metrics["long.power.seeds_needed"],
+                                                   profiles.PROFILES["cpu"].sampler.long.max_fix_seeds)
 
 
 def test_moe_routing_flips_follow_precision():

@@ -54,11 +54,13 @@ def test_a_finding_quotes_this_builds_numbers(tmp_path):
     assert "63× (95% interval 50–76×)" in text
 
 
-@pytest.mark.parametrize("gap, verdict", [(0.30, findings.SHOWN_LINK), (0.05, findings.UNRESOLVED)])
-def test_the_rl_link_reads_the_chapters_comparison(tmp_path, gap, verdict):
+@pytest.mark.parametrize("slope, verdict", [(-0.05, findings.SHOWN_LINK), (-0.01, findings.UNRESOLVED)])
+def test_the_rl_link_reads_the_chapters_dose_response(tmp_path, slope, verdict):
     _write(tmp_path, "05b_sampler_precision", {
-        "decisive.basis": "long run", "decisive.seeds": 8, "decisive.gap_matched": gap, "decisive.noise_matched": 0.1,
-        "decisive.collapsed_uncorrected": 3, "decisive.collapsed_matched": 0})
+        "decisive.basis": "long run", "decisive.bits": 2, "decisive.dose_slope": slope,
+        "decisive.dose_slope_low": slope - 0.02, "decisive.dose_slope_high": slope + 0.02, "decisive.dose_runs": 40,
+        "decisive.dose_effect": 0.005, "decisive.gap_matched": 0.1, "decisive.noise_matched": 0.05,
+        "decisive.effect": 0.05})
     assert dict((text, status) for text, status, _ in findings.chain(tmp_path))[
         "RL on mismatched samples degrades the policy"] == verdict
 
