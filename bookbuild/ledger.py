@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from labutils.readings import power
+from labutils.rl_analysis import DIFFERENCE, NO_DIFFERENCE, conclusion
 from labutils.results import load_all
 from .status import table
 
@@ -40,13 +41,15 @@ def _pct(x):
 
 
 def _comparison(gap, noise, better_if_positive=True, effect=None):
-    """A chapter's comparison in the ledger's vocabulary: a difference confirms or contradicts; no difference,
-    with 80% power to see `effect` (the smallest effect that matters), contradicts; otherwise inconclusive."""
-    if abs(gap) <= noise:
-        if effect is not None and power(effect, noise) >= 0.8:
-            return f"{CONTRADICTED} (no difference, with {power(effect, noise):.0%} power to see an effect of {effect:.3g})"
-        return f"{INCONCLUSIVE} (power {power(gap, noise):.0%} for the observed gap)"
-    return CONFIRMED if (gap > 0) == better_if_positive else CONTRADICTED
+    """A chapter's comparison in the ledger's vocabulary (`rl_analysis.conclusion` decides): a difference confirms
+    or contradicts; no difference, with 80% power to see `effect` (the smallest effect that matters) and an
+    interval that excludes it, contradicts; otherwise inconclusive, with the power for the observed gap."""
+    kind, p = conclusion(gap, noise, effect or 0.0)
+    if kind == DIFFERENCE:
+        return CONFIRMED if (gap > 0) == better_if_positive else CONTRADICTED
+    if kind == NO_DIFFERENCE:
+        return f"{CONTRADICTED} (no difference, with {p:.0%} power to see an effect of {effect:.3g})"
+    return f"{INCONCLUSIVE} (power {p:.0%} for the observed gap)"
 
 
 def _long_run_only(basis):

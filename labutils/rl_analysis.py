@@ -116,24 +116,26 @@ def conclusion(gap: float, half: float, effect: float) -> tuple[str, float]:
 
     Beyond its interval it is *a difference*. Within it, it is *no difference, with power* where a true
     difference of `effect` (the smallest one that matters, fixed in advance) would be seen with at least
-    80% power; otherwise *inconclusive*, with the power for the gap observed.
+    80% power and the interval excludes it; otherwise *inconclusive*, with the power for the gap observed.
     """
     if abs(gap) > half:
         return DIFFERENCE, power(gap, half)
-    if power(effect, half) >= 0.8:
+    if power(effect, half) >= 0.8 and abs(gap) + half < abs(effect):
         return NO_DIFFERENCE, power(effect, half)
     return INCONCLUSIVE, power(gap, half)
 
 
-def sentence(gap: float, half: float, effect: float, seeds: int) -> str:
+def sentence(gap: float, half: float, effect: float, seeds: int, unit: str = "in score") -> str:
     """`conclusion` written out, for the chapter's prose."""
     kind, p = conclusion(gap, half, effect)
-    where = f"{gap:+.3f} π-eval accuracy (95% interval ±{half:.3f}, {seeds} paired seeds)"
+    where = f"{gap:+.3f} {unit} (95% interval ±{half:.3f}, {seeds} paired seeds)"
     if kind == DIFFERENCE:
         return f"a difference: {where}."
     if kind == NO_DIFFERENCE:
-        return f"no difference, with power: {where}, with {p:.0%} power to see an effect of {effect:.2f}."
-    return f"inconclusive: {where}; power {p:.0%} for the observed gap."
+        return f"no difference, with power: {where}, with {p:.0%} power to see an effect of {effect:.2g}."
+    reach = " (the interval still reaches it)" if power(effect, half) >= 0.8 else ""
+    return (f"inconclusive: {where}; power {p:.0%} for the observed gap, {power(effect, half):.0%} for an "
+            f"effect of {effect:.2g}{reach}.")
 
 
 def dose_points(curves: dict[str, list[dict]], floor: str = "fp32") -> list[tuple[str, float, float]]:
