@@ -142,3 +142,24 @@ def dose_points(curves: dict[str, list[dict]], floor: str = "fp32") -> list[tupl
     """(arm, log10 of the run's own mean token KL, score) for every run but the `floor` arm's."""
     return [(name, math.log10(sum(c["kl"]) / len(c["kl"])), score(c["eval"]))
             for name, per_seed in curves.items() if name != floor for c in per_seed]
+
+
+def took_off(curve: dict, min_gain: float) -> bool:
+    """Whether a run's score rose at least `min_gain` above its start (runs here either take off or stall)."""
+    return score(curve["eval"]) - curve["eval"][0] >= min_gain
+
+
+def means_fit(x: list[float], y: list[float], clusters: list[str], level: float = 1 - LEVEL) -> dict:
+    """Least squares through the clusters' means (one point per setting), with a t interval on
+    (settings − 2) degrees of freedom: cruder than the clustered fit, and free of its few-cluster bias."""
+    groups = sorted(set(clusters))
+    mx = [np.mean([a for a, c in zip(x, clusters) if c == g]) for g in groups]
+    my = [np.mean([b for b, c in zip(y, clusters) if c == g]) for g in groups]
+    X = np.column_stack([np.ones(len(mx)), mx])
+    beta, *_ = np.linalg.lstsq(X, np.asarray(my), rcond=None)
+    resid = np.asarray(my) - X @ beta
+    dof = len(groups) - 2
+    se = float(math.sqrt(resid @ resid / dof * np.linalg.inv(X.T @ X)[1, 1]))
+    half = float(stats.t.ppf(0.5 + level / 2, dof)) * se
+    return {"slope": float(beta[1]), "slope_low": float(beta[1]) - half, "slope_high": float(beta[1]) + half,
+            "runs": len(x), "clusters": len(groups)}

@@ -71,3 +71,18 @@ def test_the_seeds_needed_give_the_power_asked_for_and_one_fewer_does_not():
     assert rl_design.paired_power(0.05, 0.05, n) >= 0.8 > rl_design.paired_power(0.05, 0.05, n - 1)
     assert 9 <= n <= 11  # the normal approximation gives (1.96 + 0.84)² = 7.8, the t a little more
     assert rl_design.seeds_needed(0.05, 0.1) > n
+
+
+def test_the_means_fit_is_exact_on_a_line_and_wider_than_the_clustered_one_on_few_settings():
+    exact = rl_analysis.means_fit([0, 0, 1, 1, 2, 2], [1, 1, 3, 3, 5, 5.0], ["a", "a", "b", "b", "c", "c"])
+    assert exact["slope"] == pytest.approx(2) and exact["slope_high"] - exact["slope_low"] == pytest.approx(0, abs=1e-9)
+    rng = random.Random(1)
+    x = [a * 0.5 for a in range(6) for _ in range(3)]
+    y = [0.9 + rng.gauss(0, 0.02) for _ in x]
+    arms = [str(a) for a in range(6) for _ in range(3)]
+    assert rl_analysis.means_fit(x, y, arms)["clusters"] == 6
+
+
+def test_a_run_takes_off_when_its_score_gains_the_minimum():
+    assert rl_analysis.took_off(_curve([0.89, 0.9, 0.95, 0.99, 0.99]), 0.02)
+    assert not rl_analysis.took_off(_curve([0.89, 0.88, 0.9, 0.9, 0.9]), 0.02)
