@@ -25,7 +25,7 @@ def test_the_fingerprint_covers_the_modules_the_run_imports_and_not_the_chapters
 
 def test_the_three_phases_run_and_record_what_the_chapter_reads(tmp_path):
     cpu = profiles.PROFILES["cpu"]
-    tiny = dataclasses.replace(cpu.sampler.long, steps=2, lrs=(1e-4, 5e-5), sweep_seeds=2, eval_problems=8,
+    tiny = dataclasses.replace(cpu.sampler.long, steps=1, lrs=(1e-4, 5e-5), sweep_seeds=2, eval_problems=4,
                                eval_every=1, min_gain=-1.0, max_fix_seeds=2, budget_minutes=60)
     profile = dataclasses.replace(cpu, sampler=dataclasses.replace(cpu.sampler, long=tiny))
     path = long_run.run(tmp_path / "long.json", workers=1, profile=profile, dose=("m2", "bf16"))
