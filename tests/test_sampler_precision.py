@@ -93,7 +93,9 @@ def test_mismatch_falls_as_mantissa_bits_rise(lab):
                                                            generator=torch.Generator().manual_seed(0))
         scored = scorer.score(out, keep_vocab=True)
         kl[name] = mismatch.summary(out, scored.logprobs, scored.vocab)["token_kl"]
-    assert kl["m2"] > kl["m4"] > kl["m7"] > kl["m10"] > kl["fp32"]
+    # m = 10 sits at the floor two fp32 engines already give (summation order), so it is not ordered
+    # against fp32; m = 7 lies above that floor
+    assert kl["m2"] > kl["m4"] > kl["m7"] > 3 * max(kl["m10"], kl["fp32"])
 
 
 def test_importance_health_on_a_known_batch():
