@@ -32,8 +32,7 @@ def kl_rise_before(curve: dict, margin: float) -> bool | None:
     at = collapse_at(curve["eval"], margin)
     if at is None:
         return None
-    step = curve["eval_steps"][at]
-    width = max(1, (curve["eval_steps"][1] - curve["eval_steps"][0]) // 2)
+    step, width = curve["eval_steps"][at], precursor_window(curve)
     kl = curve["kl"]  # one value per optimizer step, step 1 first
     before, first = kl[max(0, step - width):step], kl[:width]
     return sum(before) / len(before) > sum(first) / len(first)
@@ -41,9 +40,13 @@ def kl_rise_before(curve: dict, margin: float) -> bool | None:
 
 def kl_rise_late(curve: dict) -> bool:
     """The same comparison for any run: is its KL over the last steps above its KL over as many first steps?"""
-    width = max(1, (curve["eval_steps"][1] - curve["eval_steps"][0]) // 2)
-    kl = curve["kl"]
+    width, kl = precursor_window(curve), curve["kl"]
     return sum(kl[-width:]) / width > sum(kl[:width]) / width
+
+
+def precursor_window(curve: dict) -> int:
+    """The steps the precursor compares: half the interval between π-evals."""
+    return max(1, (curve["eval_steps"][1] - curve["eval_steps"][0]) // 2)
 
 
 def clustered_fit(x: list[float], y: list[float], clusters: list[str], level: float = 1 - LEVEL) -> dict:
