@@ -85,6 +85,7 @@ class LongPlan:
     eval_every: int
     min_gain: float  # π-eval accuracy every control seed must gain (mean of its last three evaluations)
     smallest_effect: float  # the smallest difference in that score a reader should care about
+    dose_decades: float  # the dose–response's smallest slope that matters: smallest_effect lost over this many decades of token KL
     max_fix_seeds: int  # a cap on the fix comparison's seeds, whatever the power asks for
     budget_minutes: float  # the whole run's budget on the machine that makes it
 
@@ -169,9 +170,9 @@ PROFILES = {
                     min_walk=4, max_walk=10, prompts=256),
         sampler=SamplerPlan(dial_sequences=4, dial_length=400, bias_prompts=8, bias_group=4, bias_batches=6,
                             bits=2, seeds=2, eval_problems=64, eval_every=3, collapse_margin=0.10,
-                            long=LongPlan(steps=80, lrs=(3e-4, 2e-4, 1e-4, 5e-5), sweep_seeds=3, eval_problems=512,
-                                          eval_every=20, min_gain=0.02, smallest_effect=0.05, max_fix_seeds=16,
-                                          budget_minutes=55)),
+                            long=LongPlan(steps=80, lrs=(2e-4, 1e-4, 5e-5, 2e-5), sweep_seeds=4, eval_problems=512,
+                                          eval_every=20, min_gain=0.02, smallest_effect=0.05, dose_decades=3.0,
+                                          max_fix_seeds=16, budget_minutes=55)),
         sampler_rl=GrpoPlan(steps=6, batch_size=16, num_generations=4, lr=3e-4, lora_rank=0,
                             min_walk=6, max_walk=14, prompts=256),
         scaler_steps=30,
@@ -196,8 +197,8 @@ PROFILES = {
         sampler=SamplerPlan(dial_sequences=32, dial_length=1000, bias_prompts=32, bias_group=8, bias_batches=16,
                             bits=2, seeds=4, eval_problems=512, eval_every=20, collapse_margin=0.10,
                             long=LongPlan(steps=2000, lrs=(3e-4, 1e-4, 3e-5), sweep_seeds=4, eval_problems=1024,
-                                          eval_every=100, min_gain=0.02, smallest_effect=0.05, max_fix_seeds=32,
-                                          budget_minutes=600)),
+                                          eval_every=100, min_gain=0.02, smallest_effect=0.05, dose_decades=3.0,
+                                          max_fix_seeds=32, budget_minutes=600)),
         sampler_rl=GrpoPlan(steps=200, batch_size=64, num_generations=8, lr=3e-4, lora_rank=0,
                             min_walk=8, max_walk=24, prompts=4096),
         scaler_steps=400,

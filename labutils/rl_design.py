@@ -62,6 +62,12 @@ def paired_power(effect: float, sd_diff: float, seeds: int, level: float = LEVEL
     return float(stats.nct.sf(crit, dof, shift) + stats.nct.cdf(-crit, dof, shift))
 
 
+def planning_sd(sd: float, dof: int, confidence: float = 0.8) -> float:
+    """A one-sided `confidence` upper bound on a standard deviation estimated with `dof` degrees of freedom:
+    planning on the estimate itself gives less power than asked for about half the time."""
+    return float(sd * math.sqrt(dof / stats.chi2.ppf(1 - confidence, dof)))
+
+
 def seeds_needed(effect: float, sd_diff: float, power: float = 0.8, most: int = 1000) -> int:
     """The fewest seeds at which a paired t test has `power` to see `effect`, given per-seed differences of
     standard deviation `sd_diff`."""

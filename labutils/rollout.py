@@ -109,7 +109,7 @@ class InferenceEngine:
     """A private copy of the policy in `dtype` that samples with a KV cache.
 
     `dial` (a `sampler_precision.Dial`: fp8, fp8_channel, m2 … m10) makes the copy compute like an FP8
-    or an emulated low-precision serving engine; `sampler_precision.engine(name)` builds one.
+    serving engine or an emulated low-precision one; `sampler_precision.engine(name)` builds one.
     """
 
     def __init__(self, model, dtype: torch.dtype, device: str = "cpu", dial=None):
@@ -118,16 +118,18 @@ class InferenceEngine:
             raise ValueError(f"sampler precision {self.dial.name!r} runs on {self.dial.engine_dtype} weights, "
                              f"not {dtype}; build the engine with sampler_precision.engine().")
         self.model = _fresh_copy(model, dtype, device)
+        self.dtype, self.device = dtype, device
         if self.dial is not None:
             self.dial.install(self.model)
-        self.dtype, self.device = dtype, device
+            self.sync(model)  # the quantized layers start from the trainer's weights, not from a rounded copy
         self.pad_id, self.eos_id = special_ids(self.model.config)
         self._cache_kw = cache_keyword(self.model)
 
     @torch.no_grad()
     def sync(self, model) -> None:
         """Load the trainer's current weights, cast to this engine's dtype (a weight sync)."""
-        state = {k: v.detach().to(self.dtype) for k, v in _plain_state(model).items()}
+        own = self.model.state_dict()  # an FP8 engine holds its quantized layers in fp32, the rest in its dtype
+        state = {k: v.detach().to(own[k].dtype) for k, v in _plain_state(model).items()}
         self.model.load_state_dict(state, strict=True)
         if self.dial is not None:
             self.dial.quantize_weights(self.model)

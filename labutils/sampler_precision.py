@@ -3,21 +3,22 @@
 Three kinds of setting, named by one string:
 
 * `fp32`, `bf16`, `fp16`: real formats; the whole engine holds and computes in that dtype.
-* `fp8`, `fp8_channel`: real FP8 rollouts, W8A8 as serving stacks run them. The weight and the
-  input of every Linear layer inside the decoder blocks (attention q/k/v/o, MLP gate/up/down) are
-  cast to `torch.float8_e4m3fn` through a scale: per tensor for both (`fp8`), or per output
-  channel for weights and per token for activations (`fp8_channel`). Products accumulate in
-  fp32. Embeddings, norms, attention scores and softmax, the residual stream and the LM head stay
-  fp32. The FP8 values are dequantized before the matmul, which computes the same products as an
-  FP8 GEMM with an fp32 accumulator, up to the order of the additions: the casts are real, the
-  GEMM is simulated. A per-tensor activation scale spans the whole batch, prefill padding included.
+* `fp8`, `fp8_channel`: real FP8 rollouts, run the way an FP8 serving stack runs them (vLLM's
+  `quantization="fp8"`): the Linear layers inside the decoder blocks (attention q/k/v/o, MLP
+  gate/up/down) are W8A8, and everything else is bf16. Their weight and input are cast to
+  `torch.float8_e4m3fn` through a scale, per tensor for both (`fp8`) or per output channel for
+  weights and per token for activations (`fp8_channel`); the products accumulate in fp32 and the
+  output returns to bf16. The FP8 values are dequantized before the matmul, which computes the same
+  products as an FP8 GEMM with an fp32 accumulator, up to the order of the additions: the casts are
+  real, the GEMM is simulated. Embeddings, norms, attention (scores, softmax, the KV cache), the
+  residual stream and the LM head are bf16. A per-tensor activation scale spans the whole batch,
+  prefill padding included.
 * `m2` … `m10`: an **emulated** format with that many mantissa bits, round-to-nearest-even, and
-  fp32's exponent. Every weight and the input of every Linear layer (LM head included) is
-  rounded; accumulation is fp32. No hardware has these formats: they are a dial between FP8's 3
-  mantissa bits, bf16's 7 and fp16's 10, labelled as emulation wherever they appear.
-
-`fp32_head=True` keeps the LM head (its weight and input) in fp32, trl's fp32-LM-head idea
-applied to the sampler.
+  fp32's exponent, applied to one mechanism only: the weight and the input of every Linear layer
+  (the LM head included; a tied embedding keeps its own fp32 copy). Everything else (embeddings,
+  norms, attention, the residual stream) and all accumulation stays fp32. No hardware has these
+  formats: they are a dial between FP8's 3 mantissa bits, bf16's 7 and fp16's 10, labelled as
+  emulation wherever they appear.
 """
 from __future__ import annotations
 
@@ -69,7 +70,6 @@ class Dial:
     """One setting of the dial (see the module's docstring); build it with `parse`."""
 
     name: str
-    fp32_head: bool = False
 
     @property
     def kind(self) -> str:
@@ -82,52 +82,52 @@ class Dial:
 
     @property
     def engine_dtype(self) -> str:
-        """The dtype the engine holds its weights in: the real format, else fp32."""
-        return self.name if self.kind == "real" else "fp32"
+        """The dtype of the engine around its quantized layers: the real format, bf16 around FP8, else fp32."""
+        return self.name if self.kind == "real" else "bf16" if self.kind == "fp8" else "fp32"
 
     @property
     def label(self) -> str:
         """How the book names this setting: emulation is always said."""
-        head = ", fp32 LM head" if self.fp32_head else ""
         if self.kind == "emulated":
-            return f"{self.bits}-bit mantissa (emulated){head}"
+            return f"{self.bits}-bit mantissa (emulated) in every Linear layer, the rest fp32"
         if self.kind == "fp8":
             w, a = FP8[self.name]
-            return f"FP8 E4M3 casts (per-{w} weights, per-{a} activations), matmul in fp32{head}"
-        return f"{self.name}{head}"
+            return f"FP8 E4M3 decoder Linear layers (per-{w} weights, per-{a} activations), the rest bf16"
+        return self.name
+
+    def covered(self, model) -> list[torch.nn.Linear]:
+        """The Linear layers this setting quantizes."""
+        if self.kind == "emulated":
+            return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        return [m for _, m in _decoder_linears(model)] if self.kind == "fp8" else []
 
     def quantize_weights(self, model) -> None:
-        """Round the engine's weights in place (after every load: the weight sync)."""
-        if self.kind == "real":
-            return
+        """Round the covered layers' weights in place (after every load: the weight sync)."""
         with torch.no_grad():
-            if self.kind == "emulated":
-                for name, param in model.named_parameters():
-                    if not (self.fp32_head and name.startswith("lm_head.")):
-                        param.copy_(round_mantissa(param, self.bits))
-            else:
-                weight_scale = FP8[self.name][0]
-                for _, module in _decoder_linears(model):
-                    module.weight.copy_(fp8_cast(module.weight, weight_scale))
+            for module in self.covered(model):
+                if self.kind == "emulated":
+                    module.weight.copy_(round_mantissa(module.weight, self.bits))
+                else:
+                    module.weight.copy_(fp8_cast(module.weight, FP8[self.name][0]))
 
     def install(self, model) -> None:
-        """Make `model` compute at this setting: quantize the weights, round every covered Linear's input."""
+        """Make `model` compute at this setting: quantize the covered weights, cast every covered input."""
         if self.kind == "real":
             return
-        if self.fp32_head and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-            head = model.get_output_embeddings()  # untie: the head keeps its own fp32 copy
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if self.kind == "emulated" and head.weight is embedding.weight:
+            # untie: the LM head is a Linear layer and is rounded, the embedding lookup stays fp32
             head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        if self.kind == "emulated":
-            bits = self.bits
-            covered = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-                       and not (self.fp32_head and m is model.get_output_embeddings())]
-            cast = lambda x: round_mantissa(x, bits)  # noqa: E731
-        else:
-            covered = [m for _, m in _decoder_linears(model)]
-            activation_scale = FP8[self.name][1]
-            cast = lambda x: fp8_cast(x, activation_scale)  # noqa: E731
-        for module in covered:
-            module.register_forward_pre_hook(lambda _m, args: (cast(args[0]), *args[1:]))
+        stream = embedding.weight.dtype
+        for module in self.covered(model):
+            if self.kind == "emulated":
+                module.register_forward_pre_hook(lambda _m, args, b=self.bits: (round_mantissa(args[0], b), *args[1:]))
+                continue
+            # an FP8 GEMM: FP8 operands, products accumulated and scaled in fp32, the output back in bf16
+            module.float()
+            scale = FP8[self.name][1]
+            module.register_forward_pre_hook(lambda _m, args, s=scale: (fp8_cast(args[0].float(), s), *args[1:]))
+            module.register_forward_hook(lambda _m, _args, out: out.to(stream))
         self.quantize_weights(model)
 
 
@@ -136,18 +136,16 @@ def _decoder_linears(model):
             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in DECODER_LINEARS]
 
 
-def parse(name: str, fp32_head: bool = False) -> Dial:
+def parse(name: str) -> Dial:
     """A Dial from its name: fp32, bf16, fp16, fp8, fp8_channel, or m2 … m10 (emulated)."""
     emulated = re.fullmatch(r"m(\d+)", name)
     if not (name in REAL or name in FP8 or (emulated and int(emulated[1]) in EMULATED_BITS)):
         raise ValueError(f"sampler precision {name!r} is not on the dial; choose one of "
                          f"{', '.join(REAL + tuple(FP8))} or m2 … m10 (emulated mantissa bits).")
-    if fp32_head and name in REAL:
-        raise ValueError(f"fp32_head applies to the fp8 and emulated settings; {name!r} is a whole-engine dtype.")
-    return Dial(name, fp32_head)
+    return Dial(name)
 
 
-def engine(model, name: str, device: str = "cpu", fp32_head: bool = False):
+def engine(model, name: str, device: str = "cpu"):
     """An InferenceEngine at dial setting `name`, with a private copy of `model`'s weights."""
-    dial = parse(name, fp32_head)
+    dial = parse(name)
     return rollout.InferenceEngine(model, rollout.engine_dtype(dial.engine_dtype, device), device, dial=dial)

@@ -23,11 +23,13 @@ def test_the_fingerprint_covers_the_modules_the_run_imports_and_not_the_chapters
     assert not {"rl_analysis", "readings", "plots", "results"} & set(modules)
 
 
-def test_the_three_phases_run_and_record_what_the_chapter_reads(tmp_path):
+def test_the_three_phases_run_and_record_what_the_chapter_reads(tmp_path, tiny_profile, lab_cache):
+    # the tiny model and one-step runs of short walks: the phases' plumbing, not their numbers
     cpu = profiles.PROFILES["cpu"]
     tiny = dataclasses.replace(cpu.sampler.long, steps=1, lrs=(1e-4, 5e-5), sweep_seeds=2, eval_problems=4,
                                eval_every=1, min_gain=-1.0, max_fix_seeds=2, budget_minutes=60)
-    profile = dataclasses.replace(cpu, sampler=dataclasses.replace(cpu.sampler, long=tiny))
+    plan = dataclasses.replace(cpu.sampler_rl, batch_size=4, num_generations=2, min_walk=1, max_walk=2, prompts=16)
+    profile = dataclasses.replace(tiny_profile, sampler=dataclasses.replace(cpu.sampler, long=tiny), sampler_rl=plan)
     path = long_run.run(tmp_path / "long.json", workers=1, profile=profile, dose=("m2", "bf16"))
     found = json.loads(path.read_text())
     design, curves = found["design"], found["curves"]

@@ -86,3 +86,11 @@ def test_the_means_fit_is_exact_on_a_line_and_wider_than_the_clustered_one_on_fe
 def test_a_run_takes_off_when_its_score_gains_the_minimum():
     assert rl_analysis.took_off(_curve([0.89, 0.9, 0.95, 0.99, 0.99]), 0.02)
     assert not rl_analysis.took_off(_curve([0.89, 0.88, 0.9, 0.9, 0.9]), 0.02)
+
+
+def test_the_planning_sd_bounds_the_estimate_from_above_and_tightens_with_more_seeds():
+    from scipy import stats
+
+    assert rl_design.planning_sd(0.02, 18) == pytest.approx(0.02 * (18 / stats.chi2.ppf(0.2, 18)) ** 0.5)
+    assert rl_design.planning_sd(0.02, 4) > rl_design.planning_sd(0.02, 18) > 0.02
+    assert rl_design.planning_sd(0.02, 10_000) == pytest.approx(0.02, rel=0.02)

@@ -48,8 +48,6 @@ def test_the_dial_refuses_settings_it_does_not_have():
     for bad in ("m1", "m11", "fp8_e5m2", "int8"):
         with pytest.raises(ValueError, match="not on the dial"):
             sampler_precision.parse(bad)
-    with pytest.raises(ValueError, match="whole-engine dtype"):
-        sampler_precision.parse("bf16", fp32_head=True)
     assert "emulated" in sampler_precision.parse("m3").label
 
 
@@ -58,18 +56,25 @@ def lab(tiny_profile, lab_cache):
     return models.load(None, "dense", tiny_profile, seed=0)
 
 
-def test_engine_weights_are_rounded_and_the_head_can_stay_fp32(lab):
+def test_the_emulation_rounds_linear_layers_only_and_fp8_runs_in_bf16_around_its_layers(lab):
     model, _ = lab
-    coarse = sampler_precision.engine(model, "m3").model
-    kept = sampler_precision.engine(model, "m3", fp32_head=True).model
     embed = model.get_input_embeddings().weight
-    assert torch.equal(coarse.get_input_embeddings().weight, sampler_precision.round_mantissa(embed, 3))
-    assert torch.equal(kept.get_output_embeddings().weight, embed)  # untied: the head keeps fp32
-    assert torch.equal(kept.get_input_embeddings().weight, coarse.get_input_embeddings().weight)
+    q_weight = model.model.layers[0].self_attn.q_proj.weight
+    coarse = sampler_precision.engine(model, "m3").model
+    assert torch.equal(coarse.get_input_embeddings().weight, embed)  # the lookup stays fp32
+    assert torch.equal(coarse.get_output_embeddings().weight, sampler_precision.round_mantissa(embed, 3))
+    assert torch.equal(coarse.model.layers[0].self_attn.q_proj.weight, sampler_precision.round_mantissa(q_weight, 3))
+    assert torch.equal(coarse.model.norm.weight, model.model.norm.weight)  # norm gains are not rounded
     fp8_engine = sampler_precision.engine(model, "fp8").model
-    q = fp8_engine.model.layers[0].self_attn.q_proj.weight
-    assert torch.equal(q, sampler_precision.fp8_cast(model.model.layers[0].self_attn.q_proj.weight, "tensor"))
-    assert torch.equal(fp8_engine.get_output_embeddings().weight, embed)  # FP8 leaves the LM head alone
+    q = fp8_engine.model.layers[0].self_attn.q_proj
+    assert q.weight.dtype == torch.float32  # FP8 values, fp32 accumulation
+    assert torch.equal(q.weight, sampler_precision.fp8_cast(q_weight, "tensor"))
+    assert fp8_engine.get_output_embeddings().weight.dtype == torch.bfloat16  # head, norms, stream: bf16
+    assert fp8_engine.model.norm.weight.dtype == torch.bfloat16
+    x = torch.randn(2, 3, q.in_features, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(sampler_precision.fp8_cast(x.float(), "tensor"), q.weight, q.bias)
+    expected = expected.to(torch.bfloat16)
+    assert torch.equal(q(x), expected)  # the layer's output returns to the bf16 stream
 
 
 def test_sync_requantizes_the_new_weights(lab):
@@ -79,8 +84,12 @@ def test_sync_requantizes_the_new_weights(lab):
         for p in model.parameters():
             p.add_(0.01)
     engine.sync(model)
-    for (name, ours), theirs in zip(engine.model.named_parameters(), model.parameters()):
-        assert torch.equal(ours, sampler_precision.round_mantissa(theirs, 4)), name
+    linears = [name for name, module in engine.model.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert "lm_head" in linears
+    for name in linears:
+        theirs = model.get_submodule(name).weight
+        assert torch.equal(engine.model.get_submodule(name).weight, sampler_precision.round_mantissa(theirs, 4)), name
+    assert torch.equal(engine.model.get_input_embeddings().weight, model.get_input_embeddings().weight)
 
 
 def test_mismatch_falls_as_mantissa_bits_rise(lab):
