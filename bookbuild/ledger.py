@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from labutils.readings import power
-from labutils.rl_analysis import DIFFERENCE, NO_DIFFERENCE, conclusion
+from labutils.rl_analysis import DIFFERENCE, NO_DIFFERENCE, conclusion, power
 from labutils.results import load_all
 from .status import table
 
@@ -40,11 +39,12 @@ def _pct(x):
     return f"{x:.1%}"
 
 
-def _comparison(gap, noise, better_if_positive=True, effect=None):
-    """A chapter's comparison in the ledger's vocabulary (`rl_analysis.conclusion` decides): a difference confirms
-    or contradicts; no difference, with 80% power to see `effect` (the smallest effect that matters) and an
-    interval that excludes it, contradicts; otherwise inconclusive, with the power for the observed gap."""
-    kind, p = conclusion(gap, noise, effect or 0.0)
+def _comparison(gap, noise, dof, better_if_positive=True, effect=None):
+    """A chapter's comparison in the ledger's vocabulary (`rl_analysis.conclusion` decides, its t interval on `dof`
+    degrees of freedom): a difference confirms or contradicts; no difference, with 80% power to see `effect` (the
+    smallest effect that matters) and an interval that excludes it, contradicts; otherwise inconclusive, with the
+    power for the observed gap."""
+    kind, p = conclusion(gap, noise, effect or 0.0, dof)
     if kind == DIFFERENCE:
         return CONFIRMED if (gap > 0) == better_if_positive else CONTRADICTED
     if kind == NO_DIFFERENCE:
@@ -58,34 +58,37 @@ def _long_run_only(basis):
 
 def _bf16_degrades(basis, seeds, steps, gap, noise, effect):
     """BF16 RL degrades: the bf16 sampler's score against the fp32 sampler's, on the long run's fresh seeds."""
-    measured = (f"bf16 vs fp32 sampler ({basis}, {seeds} paired seeds, {steps} steps): score {gap:+.3f} "
-                f"(95% interval ±{noise:.3f}); the comparison is fp32, stricter than the paper's FP16")
-    return measured, _long_run_only(basis) or _comparison(gap, noise, better_if_positive=False, effect=effect)
+    measured = (f"bf16 sampler (7 mantissa bits) vs fp32 sampler, fp32 trainer ({basis}, {seeds} paired seeds, "
+                f"{steps} steps): score {gap:+.3f} (95% interval ±{noise:.3f}); smallest effect that matters "
+                f"{effect:.2g}; the comparison is fp32, stricter than the paper's FP16")
+    return measured, _long_run_only(basis) or _comparison(gap, noise, seeds - 1, better_if_positive=False,
+                                                          effect=effect)
 
 
-def _coarse_degrades(basis, bits, slope, low, high, runs, effect_slope, gap, noise, effect):
+def _coarse_degrades(basis, bits, slope, low, high, runs, settings, effect_slope, gap, noise, effect):
     """The mechanism: the score falls with the run's own mismatch, across the dial (the dose–response)."""
     measured = (f"{basis}: score {slope:+.3f} per tenfold rise in the run's token KL (95% {low:+.3f} to {high:+.3f}, "
-                f"{runs} runs clustered by setting); at {bits} emulated mantissa bits the matched sampler ends "
-                f"{gap:+.3f} (±{noise:.3f}) above the uncorrected one")
-    return measured, _long_run_only(basis) or _comparison(-slope, (high - low) / 2, effect=effect_slope)
+                f"{runs} runs clustered by {settings} settings; smallest slope that matters {-effect_slope:+.3f}); "
+                f"at {bits} emulated mantissa bits the matched sampler ends {gap:+.3f} (±{noise:.3f}) above the "
+                "uncorrected one")
+    return measured, _long_run_only(basis) or _comparison(-slope, (high - low) / 2, settings - 1, effect=effect_slope)
 
 
-def _restores(basis, fix, bits, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
+def _restores(basis, fix, bits, seeds, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
     """The correction restores training: it beats the uncorrected run and reaches the matched one."""
-    measured = (f"{basis}: matched vs uncorrected sampler with {bits} emulated mantissa bits {gap_m:+.3f} "
-                f"(±{noise_m:.3f}); {fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}); {fix} vs matched "
+    measured = (f"{basis}, {seeds} paired seeds: matched vs uncorrected sampler with {bits} emulated mantissa bits "
+                f"{gap_m:+.3f} (±{noise_m:.3f}); {fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}); {fix} vs matched "
                 f"{gap_fm:+.3f} (±{noise_fm:.3f}) score")
     if basis != "long run":
         return measured, _long_run_only(basis)
     if gap_m <= noise_m:  # nothing to restore has been shown
         return measured, (f"{INCONCLUSIVE} (the uncorrected run's loss is within noise, power "
-                          f"{power(gap_m, noise_m):.0%}: nothing shown to restore)")
+                          f"{power(gap_m, noise_m, seeds - 1):.0%}: nothing shown to restore)")
     if gap_f > noise_f and gap_fm >= -noise_fm:
         return measured, CONFIRMED
     if gap_fm < -noise_fm:  # the corrected run stays below the matched one beyond noise: not restored
         return measured, CONTRADICTED
-    return measured, f"{INCONCLUSIVE} (power {power(gap_f, noise_f):.0%} for the fix's gain)"
+    return measured, f"{INCONCLUSIVE} (power {power(gap_f, noise_f, seeds - 1):.0%} for the fix's gain)"
 
 
 def _crash_flag(bf16_builds, fp16_builds, bf16_error):
@@ -253,10 +256,11 @@ CLAIMS = [
           "RL trains on the sampler's samples (a dose–response over emulated and real formats).",
           "Attributes BF16's collapses to the mismatch between sampler and trainer.", "05b_sampler_precision",
           tuple(f"decisive.{k}" for k in ("basis", "bits", "dose_slope", "dose_slope_low", "dose_slope_high", "dose_runs",
-                                          "dose_effect", "gap_matched", "noise_matched", "effect")), _coarse_degrades),
+                                          "dose_settings", "dose_effect", "gap_matched", "noise_matched", "effect")),
+          _coarse_degrades),
     Claim("is", "Importance-sampling corrections (token TIS) restore training under the mismatch.",
           "Its BF16 runs with these corrections train slower or less stably than FP16.", "05b_sampler_precision",
-          tuple(f"decisive.{k}" for k in ("basis", "fix", "bits", "gap_matched", "noise_matched", "gap_fix", "noise_fix",
+          tuple(f"decisive.{k}" for k in ("basis", "fix", "bits", "seeds", "gap_matched", "noise_matched", "gap_fix", "noise_fix",
                                           "gap_fix_vs_matched", "noise_fix_vs_matched")), _restores),
     Claim("fp16", "FP16 trains faster than BF16 on A100/H100.", "", "05_grpo_precision",
           ("combo.fp16_fp16.tokens_per_s", "combo.bf16_bf16.tokens_per_s"),

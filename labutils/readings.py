@@ -50,10 +50,3 @@ def differs(a: float, a_se: float, b: float, b_se: float, z: float = 1.96) -> bo
     """Whether two independent estimates differ beyond `z` standard errors of their difference (95% by default)."""
     return abs(a - b) > z * (a_se**2 + b_se**2) ** 0.5
 
-
-def power(gap: float, noise: float) -> float:
-    """Power of a two-sided 5% test to see an effect the size of `gap`, given its 95% half-width `noise`."""
-    from scipy.stats import norm
-
-    se = noise / 1.96
-    return float(norm.cdf(abs(gap) / se - 1.96) + norm.cdf(-abs(gap) / se - 1.96)) if se > 0 else 1.0

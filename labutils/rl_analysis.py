@@ -9,7 +9,6 @@ import math
 import numpy as np
 from scipy import stats
 
-from .readings import power
 from .rl_design import LEVEL, binomial_se, score
 
 DIFFERENCE, NO_DIFFERENCE, INCONCLUSIVE = "a difference", "no difference, with power", "inconclusive"
@@ -114,7 +113,21 @@ def compare(a: dict, b: dict, level: float = 1 - LEVEL) -> tuple[float, float]:
     return gap, float(stats.t.ppf(0.5 + level / 2, n - 1)) * max(spread, binomial)
 
 
-def conclusion(gap: float, half: float, effect: float) -> tuple[str, float]:
+def power(effect: float, half: float, dof: int, level: float = 1 - LEVEL) -> float:
+    """Power of the two-sided t test behind a 95% interval of half-width `half` on `dof` degrees of freedom
+    to see a true difference `effect` (noncentral t)."""
+    if not math.isfinite(half) or dof < 1:
+        return LEVEL if abs(effect) < math.inf else 1.0
+    if half <= 0:
+        return 1.0
+    crit = float(stats.t.ppf(0.5 + level / 2, dof))
+    shift = abs(effect) / (half / crit)
+    found = float(stats.nct.sf(crit, dof, shift) + stats.nct.cdf(-crit, dof, shift))
+    # scipy's noncentral t returns nan far in its tail, where the power is 1 to many digits
+    return found if math.isfinite(found) else float(stats.norm.sf(crit - shift) + stats.norm.cdf(-crit - shift))
+
+
+def conclusion(gap: float, half: float, effect: float, dof: int) -> tuple[str, float]:
     """A comparison in the book's vocabulary, with the power that qualifies it.
 
     Beyond its interval it is *a difference*. Within it, it is *no difference, with power* where a true
@@ -122,22 +135,23 @@ def conclusion(gap: float, half: float, effect: float) -> tuple[str, float]:
     80% power and the interval excludes it; otherwise *inconclusive*, with the power for the gap observed.
     """
     if abs(gap) > half:
-        return DIFFERENCE, power(gap, half)
-    if power(effect, half) >= 0.8 and abs(gap) + half < abs(effect):
-        return NO_DIFFERENCE, power(effect, half)
-    return INCONCLUSIVE, power(gap, half)
+        return DIFFERENCE, power(gap, half, dof)
+    if power(effect, half, dof) >= 0.8 and abs(gap) + half < abs(effect):
+        return NO_DIFFERENCE, power(effect, half, dof)
+    return INCONCLUSIVE, power(gap, half, dof)
 
 
 def sentence(gap: float, half: float, effect: float, seeds: int, unit: str = "in score") -> str:
-    """`conclusion` written out, for the chapter's prose."""
-    kind, p = conclusion(gap, half, effect)
+    """`conclusion` of a paired comparison over `seeds` seeds, written out for the chapter's prose."""
+    kind, p = conclusion(gap, half, effect, seeds - 1)
     where = f"{gap:+.3f} {unit} (95% interval ±{half:.3f}, {seeds} paired seeds)"
     if kind == DIFFERENCE:
         return f"a difference: {where}."
     if kind == NO_DIFFERENCE:
         return f"no difference, with power: {where}, with {p:.0%} power to see an effect of {effect:.2g}."
-    reach = " (the interval still reaches it)" if power(effect, half) >= 0.8 else ""
-    return (f"inconclusive: {where}; power {p:.0%} for the observed gap, {power(effect, half):.0%} for an "
+    for_effect = power(effect, half, seeds - 1)
+    reach = " (the interval still reaches it)" if for_effect >= 0.8 else ""
+    return (f"inconclusive: {where}; power {p:.0%} for the observed gap, {for_effect:.0%} for an "
             f"effect of {effect:.2g}{reach}.")
 
 

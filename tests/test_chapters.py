@@ -101,7 +101,8 @@ REQUIRED_METRICS = {
     + ["overflow.matches", "activation.residual.max_over_median", "fp16_costs.flushed_gradients.weights",
        "fp16_costs.flushed_gradients.activations", "fp16_costs.adam_v_flushed"],
     "09_fp8": [f"qerr.{t}.{f}.{s}" for t in ("weights", "activations", "gradients") for f in ("e4m3fn", "e5m2")
-               for s in ("none", "tensor", "block")] + ["matmul.outcome", "cast.torch", "cast.e4m3fn.behaviour"],
+               for s in ("none", "tensor", "block")] + ["matmul.outcome", "cast.torch", "cast.e4m3fn.behaviour"]
+    + [f"real.qerr.weights.{f}.{s}" for f in ("e4m3fn", "e5m2") for s in ("none", "tensor", "block")],
     "10_scaling_out": ["ddp.world_size", "ddp.final_reward", "single.final_reward", "deepspeed.zero_stage",
                        "fsdp.with_policy.reduce_dtype", "fsdp.scaler_class"],
     "11_troubleshooting": ["rows", "reproduced", "predicted", "row.8.reproduced"]
@@ -377,6 +378,8 @@ def test_toolkit_chapters_measure_what_they_claim():
     fp8 = load("09_fp8")
     for tensor in ("weights", "activations", "gradients"):
         assert fp8[f"qerr.{tensor}.e4m3fn.block"] < fp8[f"qerr.{tensor}.e5m2.block"]  # one more mantissa bit
+    for scaling in ("tensor", "block"):  # the real model's decoder weights, each matrix with its own scale
+        assert fp8[f"real.qerr.weights.e4m3fn.{scaling}"] < fp8[f"real.qerr.weights.e5m2.{scaling}"]
     assert fp8["flushed.gradients.e4m3fn.none"] > fp8["flushed.gradients.e5m2.none"]  # less range
     if fp8["matmul.outcome"] == "ran":  # a scaled E4M3 matmul: a few per cent off fp32, not exact, not garbage
         assert 0.005 < fp8["matmul.rel_error_vs_fp32"] < 0.1

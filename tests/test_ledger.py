@@ -50,25 +50,25 @@ def test_loss_scale_band_claim():
 
 
 def test_inconclusive_verdicts_give_the_power():
-    verdict = ledger._comparison(0.05, 0.1)
+    verdict = ledger._comparison(0.05, 0.1, 4)
     assert verdict.startswith(ledger.INCONCLUSIVE) and "power" in verdict
-    assert ledger.power(0.0, 0.1) == pytest.approx(0.05, abs=1e-4)  # no effect: the test's own false-positive rate
-    assert ledger.power(0.1 * 2.8 / 1.96, 0.1) == pytest.approx(0.80, abs=0.01)  # 2.8 SE: 80% power
+    assert ledger.power(0.0, 0.1, 4) == pytest.approx(0.05, abs=1e-4)  # no effect: the test's own false-positive rate
+    assert ledger.power(0.1 * 2.8 / 1.96, 0.1, 1000) == pytest.approx(0.80, abs=0.01)  # 2.8 SE: 80% power (large dof)
 
 
 def test_a_null_with_power_contradicts_and_one_without_is_inconclusive():
-    assert ledger._comparison(0.01, 0.02, effect=0.05).startswith(ledger.CONTRADICTED)  # narrow: 0.05 would show
-    assert ledger._comparison(0.01, 0.08, effect=0.05).startswith(ledger.INCONCLUSIVE)  # wide: it might not
-    assert ledger._comparison(-0.1, 0.02, effect=0.05) == ledger.CONTRADICTED
-    assert ledger._comparison(0.1, 0.02, effect=0.05) == ledger.CONFIRMED
+    assert ledger._comparison(0.01, 0.02, 9, effect=0.05).startswith(ledger.CONTRADICTED)  # narrow: 0.05 would show
+    assert ledger._comparison(0.01, 0.08, 9, effect=0.05).startswith(ledger.INCONCLUSIVE)  # wide: it might not
+    assert ledger._comparison(-0.1, 0.02, 9, effect=0.05) == ledger.CONTRADICTED
+    assert ledger._comparison(0.1, 0.02, 9, effect=0.05) == ledger.CONFIRMED
 
 
 def test_the_rl_consequence_claims_read_the_long_run_and_name_its_bits():
     degrades = _claim("The mechanism: the larger").judge
-    measured, verdict = degrades("long run", 2, -0.04, -0.06, -0.02, 40, 0.02, 0.1, 0.03, 0.05)
-    assert verdict == ledger.CONFIRMED and "2 emulated mantissa bits" in measured
-    assert degrades("long run", 2, -0.001, -0.01, 0.008, 40, 0.02, 0.0, 0.03, 0.05)[1].startswith(ledger.CONTRADICTED)
-    assert degrades("this run", 2, -0.04, -0.06, -0.02, 40, 0.02, 0.1, 0.03, 0.05)[1].startswith(ledger.NOT_MEASURED)
+    measured, verdict = degrades("long run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05)
+    assert verdict == ledger.CONFIRMED and "2 emulated mantissa bits" in measured and "-0.020" in measured
+    assert degrades("long run", 2, -0.001, -0.01, 0.008, 40, 8, 0.02, 0.0, 0.03, 0.05)[1].startswith(ledger.CONTRADICTED)
+    assert degrades("this run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05)[1].startswith(ledger.NOT_MEASURED)
     bf16 = _claim("BF16 RL training degrades").judge
     assert bf16("long run", 10, 80, 0.005, 0.02, 0.05)[1].startswith(ledger.CONTRADICTED)  # no difference, with power
     assert bf16("long run", 3, 80, 0.005, 0.09, 0.05)[1].startswith(ledger.INCONCLUSIVE)

@@ -37,9 +37,3 @@ def test_glue_all_glues_every_value(glued):
     readings.glue_all(a=1, b="two")
     assert glued == {"a": 1, "b": "two"}
 
-
-def test_power_is_the_chance_to_see_a_gap_of_that_size():
-    assert readings.power(0.0, 0.1) == pytest.approx(0.05, abs=1e-3)  # no effect: only the test's 5%
-    assert readings.power(0.1, 0.1) == pytest.approx(0.5, abs=0.01)  # a gap at the half-width: half the time
-    assert readings.power(1.0, 0.1) == pytest.approx(1.0)
-    assert readings.power(0.1, float("inf")) == pytest.approx(0.05, abs=1e-3)

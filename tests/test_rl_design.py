@@ -3,6 +3,7 @@ import math
 import random
 
 import pytest
+from scipy import stats
 
 from labutils import rl_analysis, rl_design
 
@@ -94,3 +95,14 @@ def test_the_planning_sd_bounds_the_estimate_from_above_and_tightens_with_more_s
     assert rl_design.planning_sd(0.02, 18) == pytest.approx(0.02 * (18 / stats.chi2.ppf(0.2, 18)) ** 0.5)
     assert rl_design.planning_sd(0.02, 4) > rl_design.planning_sd(0.02, 18) > 0.02
     assert rl_design.planning_sd(0.02, 10_000) == pytest.approx(0.02, rel=0.02)
+
+
+def test_power_is_the_t_tests_chance_to_see_a_gap_of_that_size():
+    assert rl_analysis.power(0.0, 0.1, 4) == pytest.approx(0.05, abs=1e-3)  # no effect: only the test's 5%
+    assert 0.5 < rl_analysis.power(0.1, 0.1, 4) < 0.6  # a gap at the half-width: a little over half (t skews)
+    assert rl_analysis.power(1.0, 0.1, 4) == pytest.approx(1.0)
+    assert rl_analysis.power(0.1, float("inf"), 4) == pytest.approx(0.05)
+    # the paired design's power, computed from the seeds' spread, is the interval's power computed from its width
+    sd, seeds = 0.07, 5
+    half = stats.t.ppf(0.975, seeds - 1) * sd / math.sqrt(seeds)
+    assert rl_analysis.power(0.05, half, seeds - 1) == pytest.approx(rl_design.paired_power(0.05, sd, seeds))

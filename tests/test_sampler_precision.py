@@ -150,13 +150,13 @@ def test_a_comparison_is_a_difference_no_difference_with_power_or_inconclusive()
 
     collapsing, steady = _figures([0.2, 0.3, 0.25, 0.2]), _figures([0.85, 0.8, 0.9, 0.85])
     assert collapsing["collapsed_seeds"] == 4 and steady["collapsed_seeds"] == 0
-    assert rl_analysis.conclusion(*rl_analysis.compare(collapsing, steady), 0.05)[0] == rl_analysis.DIFFERENCE
+    assert rl_analysis.conclusion(*rl_analysis.compare(collapsing, steady), 0.05, 3)[0] == rl_analysis.DIFFERENCE
     tight = _figures([0.851, 0.801, 0.899, 0.851] * 4), _figures([0.85, 0.8, 0.9, 0.85] * 4)
     gap, noise = rl_analysis.compare(*tight)
-    assert rl_analysis.conclusion(gap, noise, 0.05)[0] == rl_analysis.NO_DIFFERENCE
+    assert rl_analysis.conclusion(gap, noise, 0.05, 15)[0] == rl_analysis.NO_DIFFERENCE
     noisy = _figures([0.9, 0.1, 0.8, 0.2])
     gap, noise = rl_analysis.compare(noisy, steady)
-    assert rl_analysis.conclusion(gap, noise, 0.05)[0] == rl_analysis.INCONCLUSIVE
+    assert rl_analysis.conclusion(gap, noise, 0.05, 3)[0] == rl_analysis.INCONCLUSIVE
     assert rl_analysis.sentence(gap, noise, 0.05, 4).startswith("inconclusive: ") and "power" in \
         rl_analysis.sentence(gap, noise, 0.05, 4)
 
