@@ -30,6 +30,9 @@ TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTE
 # the dial, finest emulated setting first; not m = 10, whose samples are the fp32 control's token for token here
 DOSE = ("m7", "m5", "m4", "m3", "m2", "fp8", "bf16")
 FIX_SEED0 = 100  # the fix comparison's seeds are fresh: none of them trained in phases 1 or 2
+# the parts of a profile the run reads (models, task, GRPO config, sampler plans): their values enter the
+# fingerprint, so a plan that other chapters read can change without making the long run stale
+PLAN_FIELDS = ("name", "device", "dense", "warmup", "task", "grpo", "sampler", "sampler_rl")
 
 
 def modules_run(name: str = "long_run") -> list[str]:
@@ -48,12 +51,17 @@ def modules_run(name: str = "long_run") -> list[str]:
     return sorted(found)
 
 
-def code_fingerprint() -> str:
-    """A hash of the contents of the modules the long run executes (not of the whole package)."""
+def code_fingerprint(profile: Profile | None = None) -> str:
+    """A hash of the contents of the modules the long run executes (not of the whole package) and of the
+    profile values it reads (`PLAN_FIELDS`), which stand in for the profiles module's text."""
+    profile = profile or PROFILES["cpu"]
     folder = Path(__file__).parent
     digest = hashlib.sha256()
     for module in modules_run():
-        digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
+        if module != "profiles":
+            digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
+    for field in PLAN_FIELDS:
+        digest.update(field.encode() + b"\0" + repr(getattr(profile, field)).encode())
     return digest.hexdigest()[:16]
 
 
@@ -66,9 +74,9 @@ def stale(payload: dict, profile: Profile | None = None) -> str | None:
     """Why a committed long-run file cannot be judged here (one sentence), or None where it can."""
     profile = profile or PROFILES["cpu"]
     made = payload.get("provenance", {})
-    if made.get("code") != code_fingerprint():
-        return ("The committed long run was made by other code than this checkout's (its fingerprint "
-                f"{made.get('code')}, this code's {code_fingerprint()}): run `make long` and commit its file.")
+    if made.get("code") != code_fingerprint(profile):
+        return ("The committed long run was made by other code or plans than this checkout's (its fingerprint "
+                f"{made.get('code')}, this checkout's {code_fingerprint(profile)}): run `make long` and commit its file.")
     if made.get("model") != model_fingerprint(profile):
         return ("The committed long run trained another lab model than this checkout builds: run `make long` "
                 "and commit its file.")
@@ -148,7 +156,8 @@ def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None,
         "chapter": CHAPTER, "kind": "long run", "profile": profile.name,
         "seconds": round(time.perf_counter() - start, 1), "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "provenance": {"code": code_fingerprint(), "modules": modules_run(), "model": model_fingerprint(profile),
+        "provenance": {"code": code_fingerprint(profile), "modules": modules_run(), "plan_fields": list(PLAN_FIELDS),
+                       "model": model_fingerprint(profile),
                        "profile": profile.name,
                        "cpu": env.cpu_model(), "kernel_set": env.kernel_set(), "env": env.env_report(),
                        "torch_threads": 1, "workers": workers},

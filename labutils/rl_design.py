@@ -59,7 +59,9 @@ def paired_power(effect: float, sd_diff: float, seeds: int, level: float = LEVEL
     dof = seeds - 1
     crit = stats.t.ppf(1 - level / 2, dof)
     shift = abs(effect) / (sd_diff / math.sqrt(seeds))
-    return float(stats.nct.sf(crit, dof, shift) + stats.nct.cdf(-crit, dof, shift))
+    found = float(stats.nct.sf(crit, dof, shift) + stats.nct.cdf(-crit, dof, shift))
+    # scipy's noncentral t returns nan far in its tail, where the power is 1 to many digits
+    return found if math.isfinite(found) else float(stats.norm.sf(crit - shift) + stats.norm.cdf(-crit - shift))
 
 
 def planning_sd(sd: float, dof: int, confidence: float = 0.8) -> float:

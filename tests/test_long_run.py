@@ -38,4 +38,13 @@ def test_the_three_phases_run_and_record_what_the_chapter_reads(tmp_path, tiny_p
     assert set(curves["dose"]) == {"m2", "bf16", "fp32"} and len(curves["dose"]["m2"]) == 2
     assert set(curves["fix"]) == set(design["roles"].values())
     assert design["fix_seeds"][0] == long_run.FIX_SEED0
-    assert found["provenance"]["code"] == long_run.code_fingerprint()
+    assert found["provenance"]["code"] == long_run.code_fingerprint(profile)
+
+
+def test_the_fingerprint_follows_the_plan_the_run_reads_and_not_the_other_chapters_plans():
+    cpu = profiles.PROFILES["cpu"]
+    longer = dataclasses.replace(cpu, sampler=dataclasses.replace(
+        cpu.sampler, long=dataclasses.replace(cpu.sampler.long, steps=cpu.sampler.long.steps + 1)))
+    assert long_run.code_fingerprint(longer) != long_run.code_fingerprint(cpu)
+    other = dataclasses.replace(cpu, real=dataclasses.replace(cpu.real, length=cpu.real.length + 1))
+    assert long_run.code_fingerprint(other) == long_run.code_fingerprint(cpu)
