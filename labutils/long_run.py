@@ -30,9 +30,16 @@ TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTE
 # the dial, finest emulated setting first; not m = 10, whose samples are the fp32 control's token for token here
 DOSE = ("m7", "m5", "m4", "m3", "m2", "fp8", "bf16")
 FIX_SEED0 = 100  # the fix comparison's seeds are fresh: none of them trained in phases 1 or 2
-# the parts of a profile the run reads (models, task, GRPO config, sampler plans): their values enter the
-# fingerprint, so a plan that other chapters read can change without making the long run stale
-PLAN_FIELDS = ("name", "device", "dense", "warmup", "task", "grpo", "sampler", "sampler_rl")
+
+
+def plan_read(profile: Profile) -> dict:
+    """The parts of a profile the run reads: the lab model, task and GRPO config, its own plan, the sampler's
+    bits and the RL plan at its steps. Their values enter the fingerprint, so the chapter's own sizes (its
+    offline dial, its short runs) can change without making the long run stale."""
+    L = profile.sampler.long
+    return {"name": profile.name, "device": profile.device, "dense": profile.dense, "warmup": profile.warmup,
+            "task": profile.task, "grpo": profile.grpo, "bits": profile.sampler.bits, "long": L,
+            "plan": dataclasses.replace(profile.sampler_rl, steps=L.steps)}
 
 
 def modules_run(name: str = "long_run") -> list[str]:
@@ -53,15 +60,15 @@ def modules_run(name: str = "long_run") -> list[str]:
 
 def code_fingerprint(profile: Profile | None = None) -> str:
     """A hash of the contents of the modules the long run executes (not of the whole package) and of the
-    profile values it reads (`PLAN_FIELDS`), which stand in for the profiles module's text."""
+    profile values it reads (`plan_read`), which stand in for the profiles module's text."""
     profile = profile or PROFILES["cpu"]
     folder = Path(__file__).parent
     digest = hashlib.sha256()
     for module in modules_run():
         if module != "profiles":
             digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
-    for field in PLAN_FIELDS:
-        digest.update(field.encode() + b"\0" + repr(getattr(profile, field)).encode())
+    for field, value in plan_read(profile).items():
+        digest.update(field.encode() + b"\0" + repr(value).encode())
     return digest.hexdigest()[:16]
 
 
@@ -101,9 +108,9 @@ def _within_arm_sd(scores: dict[str, list[float]]) -> tuple[float, int]:
 def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None, dose: tuple[str, ...] = DOSE) -> Path:
     """All three phases, written to `target` with their curves, the design and the provenance."""
     profile = profile or PROFILES["cpu"]
-    S, L = profile.sampler, profile.sampler.long
-    base = dataclasses.replace(profile.sampler_rl, steps=L.steps)
-    specs = mismatch_rl.runs_at(S.bits)
+    read = plan_read(profile)
+    L, base, bits = read["long"], read["plan"], read["bits"]
+    specs = mismatch_rl.runs_at(bits)
     specs.update({name: mismatch_rl.RunSpec(name, name) for name in dose if name not in specs})
     models.lab_model_dir("dense", profile)  # built once here, not by every worker at once
     os.environ["LAB_PROGRESS"] = "1"
@@ -139,7 +146,7 @@ def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None,
         sd_seed, dof = _within_arm_sd(scores)
         sd_diff = math.sqrt(2) * rl_design.planning_sd(sd_seed, dof)  # paired seeds of different samplers hardly correlate
         needed = rl_design.seeds_needed(L.smallest_effect, sd_diff)
-        roles = mismatch_rl.roles(S.bits)
+        roles = mismatch_rl.roles(bits)
         per_seed_cost = sum(sum(c["seconds"] for c in curves["dose"][specs[r].sampler]) / L.sweep_seeds
                             for r in roles.values())  # the TIS run costs what its sampler's run costs
         left = L.budget_minutes * 60 - (time.perf_counter() - start)
@@ -156,12 +163,12 @@ def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None,
         "chapter": CHAPTER, "kind": "long run", "profile": profile.name,
         "seconds": round(time.perf_counter() - start, 1), "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "provenance": {"code": code_fingerprint(profile), "modules": modules_run(), "plan_fields": list(PLAN_FIELDS),
+        "provenance": {"code": code_fingerprint(profile), "modules": modules_run(), "plan_read": sorted(plan_read(profile)),
                        "model": model_fingerprint(profile),
                        "profile": profile.name,
                        "cpu": env.cpu_model(), "kernel_set": env.kernel_set(), "env": env.env_report(),
                        "torch_threads": 1, "workers": workers},
-        "design": {"long": dataclasses.asdict(L), "plan": dataclasses.asdict(plan), "bits": S.bits, "roles": roles,
+        "design": {"long": dataclasses.asdict(L), "plan": dataclasses.asdict(plan), "bits": bits, "roles": roles,
                    "dose": list(dose), "sweep": {f"{lr:g}": s for lr, s in sweep.items()}, "chosen_lr": chosen,
                    "sd_seed": sd_seed, "sd_dof": dof, "sd_diff": sd_diff, "seeds_needed": needed,
                    "fix_seeds": fix_seeds},

@@ -48,3 +48,7 @@ def test_the_fingerprint_follows_the_plan_the_run_reads_and_not_the_other_chapte
     assert long_run.code_fingerprint(longer) != long_run.code_fingerprint(cpu)
     other = dataclasses.replace(cpu, real=dataclasses.replace(cpu.real, length=cpu.real.length + 1))
     assert long_run.code_fingerprint(other) == long_run.code_fingerprint(cpu)
+    # the chapter's own short runs and offline dial are not the long run's
+    short = dataclasses.replace(cpu, sampler=dataclasses.replace(cpu.sampler, dial_length=cpu.sampler.dial_length + 1),
+                                sampler_rl=dataclasses.replace(cpu.sampler_rl, steps=cpu.sampler_rl.steps + 1))
+    assert long_run.code_fingerprint(short) == long_run.code_fingerprint(cpu)
