@@ -52,26 +52,40 @@ def _comparison(gap, noise, dof, better_if_positive=True, effect=None):
     return f"{INCONCLUSIVE} (power {p:.0%} for the observed gap)"
 
 
+PAPER_SEQ_KL = 7.64  # Qi et al.'s BF16 sequence KL[μ‖π], nats: the mismatch their collapses happened at
+
+
+def _in_regime(verdict, seq_kl):
+    """A null at a mismatch far below the paper's says nothing against the paper: such a verdict is inconclusive,
+    and says why. `seq_kl`: the runs' own KL per completion."""
+    if verdict.startswith(CONTRADICTED) and "no difference" in verdict and seq_kl < PAPER_SEQ_KL / 10:
+        return (f"{INCONCLUSIVE} ({verdict.removeprefix(CONTRADICTED + ' (').rstrip(')')}, but at {seq_kl:.2g} nats "
+                f"per completion against the paper's {PAPER_SEQ_KL}: its regime was not reached)")
+    return verdict
+
+
 def _long_run_only(basis):
     return None if basis == "long run" else NOT_MEASURED + " (needs the long run, `make long`)"
 
 
-def _bf16_degrades(basis, seeds, steps, gap, noise, effect):
+def _bf16_degrades(basis, seeds, steps, gap, noise, effect, seq_kl):
     """BF16 RL degrades: the bf16 sampler's score against the fp32 sampler's, on the long run's fresh seeds."""
     measured = (f"bf16 sampler (7 mantissa bits) vs fp32 sampler, fp32 trainer ({basis}, {seeds} paired seeds, "
                 f"{steps} steps): score {gap:+.3f} (95% interval ±{noise:.3f}); smallest effect that matters "
-                f"{effect:.2g}; the comparison is fp32, stricter than the paper's FP16")
-    return measured, _long_run_only(basis) or _comparison(gap, noise, seeds - 1, better_if_positive=False,
-                                                          effect=effect)
+                f"{effect:.2g}; bf16's mismatch {seq_kl:.2g} nats per completion; the comparison is fp32, stricter "
+                "than the paper's FP16")
+    return measured, _long_run_only(basis) or _in_regime(
+        _comparison(gap, noise, seeds - 1, better_if_positive=False, effect=effect), seq_kl)
 
 
-def _coarse_degrades(basis, bits, slope, low, high, runs, settings, effect_slope, gap, noise, effect):
+def _coarse_degrades(basis, bits, slope, low, high, runs, settings, effect_slope, gap, noise, effect, seq_kl):
     """The mechanism: the score falls with the run's own mismatch, across the dial (the dose–response)."""
     measured = (f"{basis}: score {slope:+.3f} per tenfold rise in the run's token KL (95% {low:+.3f} to {high:+.3f}, "
                 f"{runs} runs clustered by {settings} settings; smallest slope that matters {-effect_slope:+.3f}); "
-                f"at {bits} emulated mantissa bits the matched sampler ends {gap:+.3f} (±{noise:.3f}) above the "
-                "uncorrected one")
-    return measured, _long_run_only(basis) or _comparison(-slope, (high - low) / 2, settings - 1, effect=effect_slope)
+                f"at {bits} emulated mantissa bits ({seq_kl:.2g} nats per completion) the matched sampler ends "
+                f"{gap:+.3f} (±{noise:.3f}) above the uncorrected one")
+    return measured, _long_run_only(basis) or _in_regime(
+        _comparison(-slope, (high - low) / 2, settings - 1, effect=effect_slope), seq_kl)
 
 
 def _restores(basis, fix, bits, seeds, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
@@ -250,13 +264,15 @@ CLAIMS = [
               else INCONCLUSIVE + " (outside the band, but with more than 5% of its steps skipped)")),
     Claim("paper", "BF16 RL training degrades or collapses where FP16 does not.",
           "Its BF16 runs degrade or collapse; its FP16 runs do not.", "05b_sampler_precision",
-          tuple(f"decisive.bf16_{k}" for k in ("basis", "seeds", "steps", "gap", "noise")) + ("decisive.effect",),
+          tuple(f"decisive.bf16_{k}" for k in ("basis", "seeds", "steps", "gap", "noise")) + ("decisive.effect",
+                                                                                             "decisive.bf16_seq_kl"),
           _bf16_degrades),
     Claim("paper", "The mechanism: the larger the mismatch between sampler and trainer, the worse the policy "
           "RL trains on the sampler's samples (a dose–response over emulated and real formats).",
           "Attributes BF16's collapses to the mismatch between sampler and trainer.", "05b_sampler_precision",
           tuple(f"decisive.{k}" for k in ("basis", "bits", "dose_slope", "dose_slope_low", "dose_slope_high", "dose_runs",
-                                          "dose_settings", "dose_effect", "gap_matched", "noise_matched", "effect")),
+                                          "dose_settings", "dose_effect", "gap_matched", "noise_matched", "effect",
+                                          "coarse_seq_kl")),
           _coarse_degrades),
     Claim("is", "Importance-sampling corrections (token TIS) restore training under the mismatch.",
           "Its BF16 runs with these corrections train slower or less stably than FP16.", "05b_sampler_precision",
@@ -335,8 +351,10 @@ def page(root: Path) -> str:
         f"{versions.get('trl', '?')}); GPU measurements, where shown, from committed reference runs in `results/gpu/`. "
         "Each verdict is computed from the chapter's own measurement and its noise: *confirmed* or *contradicted* "
         "(a difference beyond the measurement's noise), *contradicted* also where there is no difference and the "
-        "measurement had at least 80% power to see the smallest effect that matters (the cell says which), "
-        "*inconclusive* (within the noise, without that power; the cell gives the power), *not measured here* (nothing this book runs here can decide it; the verdict says what it needs), "
+        "measurement had at least 80% power to see the smallest effect that matters (the cell says which) and "
+        "the mismatch reached at least a tenth of the paper's, "
+        "*inconclusive* (within the noise, without that power or below that mismatch; the cell says which), "
+        "*not measured here* (nothing this book runs here can decide it; the verdict says what it needs), "
         "or *redundant* (a recipe that is harmless and changes nothing). Each measured cell names the threshold "
         "its verdict uses.", "",
         "Claims about GPUs (speed on an A100 or H100) are judged only on committed GPU reference results, "

@@ -52,7 +52,9 @@ def clustered_fit(x: list[float], y: list[float], clusters: list[str], level: fl
     """Least squares of y on x, with the slope's interval robust to correlation within a cluster.
 
     The seeds of one arm share its sampler and so its errors; the cluster-robust (CR1) variance sums the
-    score contributions per arm, and the interval uses a t with (arms − 1) degrees of freedom.
+    score contributions per arm, and the interval uses a t with (arms − 1) degrees of freedom. With few
+    clusters CR1 can come out below the plain least-squares error, which is then no protection at all:
+    the interval takes the larger of the two (`slope_se`; both are returned).
     """
     X = np.column_stack([np.ones(len(x)), np.asarray(x, float)])
     Y = np.asarray(y, float)
@@ -67,10 +69,12 @@ def clustered_fit(x: list[float], y: list[float], clusters: list[str], level: fl
         meat += np.outer(u, u)
     n, k, G = len(Y), 2, len(groups)
     cov = bread @ meat @ bread * G / (G - 1) * (n - 1) / (n - k)
-    se = float(math.sqrt(cov[1, 1]))
+    clustered_se = float(math.sqrt(cov[1, 1]))
+    plain_se = float(math.sqrt(resid @ resid / (n - k) * bread[1, 1]))
+    se = max(clustered_se, plain_se)
     half = float(stats.t.ppf(0.5 + level / 2, G - 1)) * se
-    return {"slope": float(beta[1]), "intercept": float(beta[0]), "slope_se": se,
-            "slope_low": float(beta[1]) - half, "slope_high": float(beta[1]) + half,
+    return {"slope": float(beta[1]), "intercept": float(beta[0]), "slope_se": se, "clustered_se": clustered_se,
+            "plain_se": plain_se, "slope_low": float(beta[1]) - half, "slope_high": float(beta[1]) + half,
             "runs": n, "clusters": G, "residual_sd": float(math.sqrt(resid @ resid / (n - k)))}
 
 

@@ -65,13 +65,19 @@ def test_a_null_with_power_contradicts_and_one_without_is_inconclusive():
 
 def test_the_rl_consequence_claims_read_the_long_run_and_name_its_bits():
     degrades = _claim("The mechanism: the larger").judge
-    measured, verdict = degrades("long run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05)
+    measured, verdict = degrades("long run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05, 8.0)
     assert verdict == ledger.CONFIRMED and "2 emulated mantissa bits" in measured and "-0.020" in measured
-    assert degrades("long run", 2, -0.001, -0.01, 0.008, 40, 8, 0.02, 0.0, 0.03, 0.05)[1].startswith(ledger.CONTRADICTED)
-    assert degrades("this run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05)[1].startswith(ledger.NOT_MEASURED)
+    assert degrades("long run", 2, -0.001, -0.01, 0.008, 40, 8, 0.02, 0.0, 0.03, 0.05, 8.0)[1].startswith(
+        ledger.CONTRADICTED)
+    # the same null far below the paper's mismatch says nothing against the paper
+    below = degrades("long run", 2, -0.001, -0.01, 0.008, 40, 8, 0.02, 0.0, 0.03, 0.05, 0.13)[1]
+    assert below.startswith(ledger.INCONCLUSIVE) and "regime was not reached" in below
+    assert degrades("this run", 2, -0.04, -0.06, -0.02, 40, 8, 0.02, 0.1, 0.03, 0.05, 8.0)[1].startswith(
+        ledger.NOT_MEASURED)
     bf16 = _claim("BF16 RL training degrades").judge
-    assert bf16("long run", 10, 80, 0.005, 0.02, 0.05)[1].startswith(ledger.CONTRADICTED)  # no difference, with power
-    assert bf16("long run", 3, 80, 0.005, 0.09, 0.05)[1].startswith(ledger.INCONCLUSIVE)
+    assert bf16("long run", 10, 80, 0.005, 0.02, 0.05, 8.0)[1].startswith(ledger.CONTRADICTED)  # no difference, with power
+    assert bf16("long run", 10, 80, 0.005, 0.02, 0.05, 0.001)[1].startswith(ledger.INCONCLUSIVE)  # not its regime
+    assert bf16("long run", 3, 80, 0.005, 0.09, 0.05, 8.0)[1].startswith(ledger.INCONCLUSIVE)
 
 
 def test_a_claim_without_its_measurements_says_so_and_gives_no_verdict():

@@ -63,6 +63,7 @@ def test_the_clustered_interval_is_wider_than_the_naive_one_when_arms_share_an_e
     naive = rl_analysis.clustered_fit(x, y, [str(i) for i in range(len(x))])
     assert fit["slope_high"] - fit["slope_low"] > naive["slope_high"] - naive["slope_low"]
     assert fit["runs"] == 32 and fit["clusters"] == 8
+    assert fit["slope_se"] == max(fit["clustered_se"], fit["plain_se"])  # never below the plain error
     exact = rl_analysis.clustered_fit([0, 1, 2, 3], [1, 3, 5, 7], ["a", "a", "b", "b"])
     assert exact["slope"] == pytest.approx(2) and exact["intercept"] == pytest.approx(1)
 
