@@ -60,7 +60,7 @@ def test_the_rl_link_reads_the_chapters_dose_response(tmp_path, slope, verdict):
         "decisive.basis": "long run", "decisive.bits": 2, "decisive.dose_slope": slope,
         "decisive.dose_slope_low": slope - 0.02, "decisive.dose_slope_high": slope + 0.02, "decisive.dose_runs": 40,
         "decisive.dose_effect": 0.005, "decisive.gap_matched": 0.1, "decisive.noise_matched": 0.05,
-        "decisive.effect": 0.05})
+        "decisive.effect": 0.05, "decisive.dose_settings": 8, "decisive.coarse_seq_kl": 8.0})
     assert dict((text, status) for text, status, _ in findings.chain(tmp_path))[
         "RL on mismatched samples degrades the policy"] == verdict
 
