@@ -168,8 +168,8 @@ PROFILES = {
         # 4 steps of walks 4-10 (completions of at most 83 tokens with EOS): chapter 5 runs nine of these, chapter 6 two
         rl=GrpoPlan(steps=4, batch_size=16, num_generations=4, lr=3e-5, lora_rank=0,
                     min_walk=4, max_walk=10, prompts=256),
-        sampler=SamplerPlan(dial_sequences=4, dial_length=300, bias_prompts=8, bias_group=4, bias_batches=6,
-                            bits=2, seeds=2, eval_problems=64, eval_every=2, collapse_margin=0.10,
+        sampler=SamplerPlan(dial_sequences=4, dial_length=256, bias_prompts=8, bias_group=4, bias_batches=6,
+                            bits=2, seeds=1, eval_problems=64, eval_every=2, collapse_margin=0.10,
                             long=LongPlan(steps=80, lrs=(2e-4, 1e-4, 5e-5, 2e-5), sweep_seeds=4, eval_problems=512,
                                           eval_every=20, min_gain=0.02, smallest_effect=0.05, dose_decades=3.0,
                                           max_fix_seeds=16, budget_minutes=55)),

@@ -184,3 +184,8 @@ def means_fit(x: list[float], y: list[float], clusters: list[str], level: float 
     half = float(stats.t.ppf(0.5 + level / 2, dof)) * se
     return {"slope": float(beta[1]), "slope_low": float(beta[1]) - half, "slope_high": float(beta[1]) + half,
             "runs": len(x), "clusters": len(groups)}
+
+
+def score_text(score: float, spread: float) -> str:
+    """A score with its spread over seeds, or alone where one seed gives no spread."""
+    return f"{score:.3f}" if math.isnan(spread) else f"{score:.3f} ± {spread:.3f}"
