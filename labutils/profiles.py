@@ -145,7 +145,7 @@ class Profile:
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
     real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
                               exact_sequences=4, micro_batch=2, sample_batch=12, probe_sequences=4, probe_length=64,
-                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=16)
+                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=64)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)

@@ -112,7 +112,9 @@ REQUIRED_METRICS = {
     + ["fp16.v_flush_bound", "fp16.adam_v_underflow_fraction", "serving.merge.relative_delta",
        "serving.merge.moved_share.bf16", "serving.ratio.bf16_unmerged_over_matched"]
     + [f"serving.token_kl.{s}.{t}" for s in ("bf16", "fp16", "fp32")
-       for t in ("merged", "unmerged_bf16", "unmerged_bf16_fp32_adapters", "unmerged_fp16", "unmerged_fp32")],
+       for t in ("merged", "unmerged_bf16", "unmerged_bf16_fp32_adapters", "unmerged_fp16", "unmerged_fp32")]
+    + ["real.serving.model", "real.serving.moved_share_bf16", "real.serving.token_kl.merged",
+       "real.serving.token_kl.unmerged_bf16", "real.serving.ratio.bf16_unmerged_over_matched"],
 }
 
 
@@ -336,6 +338,10 @@ def test_lora_loses_updates_by_adapter_dtype():
     assert kl[("bf16", "unmerged_bf16")] > 10 * kl[("bf16", "merged")]
     assert kl[("fp16", "unmerged_fp16")] < kl[("bf16", "unmerged_bf16")] / 4
     assert abs(kl[("fp32", "unmerged_fp32")]) < 1e-8 < kl[("bf16", "unmerged_fp32")]
+    # on the real model the same merge moves as many bf16 values, and the ratio's interval brackets its centre
+    real = "real.serving.ratio."
+    assert metrics["real.serving.moved_share_bf16"] > 0.01
+    assert metrics[f"{real}low"] <= metrics[f"{real}bf16_unmerged_over_matched"] <= metrics[f"{real}high"]
 
 
 def test_toolkit_chapters_measure_what_they_claim():
