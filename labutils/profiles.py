@@ -122,6 +122,9 @@ class RealPlan:
     probe_layers: tuple[int, ...]  # decoder layers kept in the depth intervention
     speed_batch: int  # sampling against a plain forward: sequences, and tokens each
     speed_length: int
+    fix_steps: int  # chapter 2's three QLoRA fixes on the real model: GRPO steps of fix_batch completions,
+    fix_batch: int  # each at most fix_completion tokens
+    fix_completion: int
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class Profile:
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
     real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
                               exact_sequences=4, micro_batch=2, sample_batch=12, probe_sequences=4, probe_length=64,
-                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=64)
+                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=64,
+                              fix_steps=2, fix_batch=4, fix_completion=24)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -205,7 +209,7 @@ PROFILES = {
         real=RealPlan(sequences=(("bf16", 64), ("fp16", 64), ("fp32", 16)), length=2048, short_length=2048,
                       exact_sequences=16, micro_batch=8,
                       sample_batch=16, probe_sequences=32, probe_length=1024, probe_layers=(30, 15, 8, 3),
-                      speed_batch=32, speed_length=512),
+                      speed_batch=32, speed_length=512, fix_steps=20, fix_batch=16, fix_completion=128),
     ),
 }
 
@@ -237,7 +241,8 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         scaler_steps=2,
         real=replace(gpu.real, sequences=(("bf16", 2), ("fp16", 2), ("fp32", 2)), length=24, short_length=24,
                      exact_sequences=2, micro_batch=2,
-                     probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8),
+                     probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8,
+                     fix_steps=1, fix_batch=8, fix_completion=8),
     )
 
 

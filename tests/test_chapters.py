@@ -40,7 +40,9 @@ REQUIRED_METRICS = {
     + [f"fix.{fix}.{m}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")
        for m in ("peak_mem_mb", "peak_mem_spread_mb", "rss_before_train_mb", "it_per_s", "tokens_per_s",
                  "final_reward", "mixed_precision", "autocast", "scaler_class", "trainables_built", "trainables",
-                 "base_input_dtype", "lora_input_dtype", "adam_state_dtypes", "error")],
+                 "base_input_dtype", "lora_input_dtype", "adam_state_dtypes", "error")]
+    + ["real.fix_model"] + [f"real.fix.{fix}.{m}" for fix in ("fp32", "bf16", "fp16_fp32_trainables")
+                            for m in ("peak_mem_mb", "it_per_s", "final_reward", "model_mb", "trainables_built")],
     "04_mismatch": ["max_len", "ratio.kl_bf16_over_fp16", "ratio.bf16_fp32_over_bf16_bf16", "grid.worst",
                     "grid.worst_token_kl", "weights.bf16_relative_rounding_bound", "weights.bf16_max_relative_rounding",
                     "exercise.drift_exceeds_spread_tokens", "exercise.sequences_to_resolve_slope",
@@ -166,6 +168,13 @@ def test_qlora_crash_audit_and_fixes():
         assert metrics["fix.fp32_and_fp16_fp32_trainables_same_rewards"] is True
     else:
         assert "not implemented for 'BFloat16'" in metrics["crash.error"]
+    for fix in fixes:  # the real model: trl's cast holds there too, and every fix trains
+        assert metrics[f"real.fix.{fix}.error"] == "none"
+        assert metrics[f"real.fix.{fix}.trainables_built"] == "bfloat16"
+        assert metrics[f"real.fix.{fix}.peak_mem_mb"] > metrics[f"real.fix.{fix}.rss_before_train_mb"] > 0
+    assert metrics["real.fix.bf16.trainables"] == "bfloat16" and metrics["real.fix.fp32.trainables"] == "float32"
+    # fp32 compute loads the unquantized parts in fp32: more state than the bf16 fix's
+    assert metrics["real.fix.fp32.model_mb"] > metrics["real.fix.bf16.model_mb"]
 
 
 def test_mismatch_orders_the_precisions():
