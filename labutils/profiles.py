@@ -125,6 +125,11 @@ class RealPlan:
     fix_steps: int  # chapter 2's three QLoRA fixes on the real model: GRPO steps of fix_batch completions,
     fix_batch: int  # each at most fix_completion tokens
     fix_completion: int
+    # chapter 5b's offline dial on the real model (sampler settings against the fp32 trainer); the reading
+    # compares real bf16 with its 7-bit emulation and real FP8 with its 3-bit one, so those four come first
+    dial: tuple[str, ...] = ("bf16", "m7", "fp8", "m3")
+    dial_sequences: int = 4
+    dial_length: int = 64
 
 
 @dataclass(frozen=True)
@@ -146,10 +151,12 @@ class Profile:
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
-    real: RealPlan = RealPlan(sequences=(("bf16", 12), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
-                              exact_sequences=4, micro_batch=2, sample_batch=12, probe_sequences=4, probe_length=64,
-                              probe_layers=(30, 15, 8, 3), speed_batch=32, speed_length=64,
-                              fix_steps=2, fix_batch=4, fix_completion=24)
+    # the CPU build's real-model runs: chapter 4b's speed at 16 x 32 tokens (the serving-sized 32 x 512 is the
+    # committed `make speed` run), chapter 2's three QLoRA fixes one GRPO step each
+    real: RealPlan = RealPlan(sequences=(("bf16", 8), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
+                              exact_sequences=4, micro_batch=2, sample_batch=8, probe_sequences=4, probe_length=64,
+                              probe_layers=(30, 15, 8, 3), speed_batch=16, speed_length=32,
+                              fix_steps=1, fix_batch=4, fix_completion=24)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -209,7 +216,9 @@ PROFILES = {
         real=RealPlan(sequences=(("bf16", 64), ("fp16", 64), ("fp32", 16)), length=2048, short_length=2048,
                       exact_sequences=16, micro_batch=8,
                       sample_batch=16, probe_sequences=32, probe_length=1024, probe_layers=(30, 15, 8, 3),
-                      speed_batch=32, speed_length=512, fix_steps=20, fix_batch=16, fix_completion=128),
+                      speed_batch=32, speed_length=512, fix_steps=20, fix_batch=16, fix_completion=128,
+                      dial=("bf16", "m7", "fp8", "m3", "fp32", "fp16", "fp8_channel", "m10", "m5", "m2"),
+                      dial_sequences=16, dial_length=1024),
     ),
 }
 
@@ -242,7 +251,8 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
         real=replace(gpu.real, sequences=(("bf16", 2), ("fp16", 2), ("fp32", 2)), length=24, short_length=24,
                      exact_sequences=2, micro_batch=2,
                      probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8,
-                     fix_steps=1, fix_batch=8, fix_completion=8),
+                     fix_steps=1, fix_batch=8, fix_completion=8, dial=gpu.real.dial[:4],
+                     dial_sequences=2, dial_length=16),
     )
 
 
