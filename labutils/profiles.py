@@ -133,6 +133,21 @@ class RealPlan:
 
 
 @dataclass(frozen=True)
+class RealRlPlan:
+    """RL on the real model (labutils.real_rl): one run per engine pair and seed."""
+
+    steps: int
+    prompts_per_step: int
+    group: int  # completions per prompt
+    lr: float
+    max_new_tokens: int
+    eval_problems: int  # held-out numbers, sampled at the RL temperature
+    eval_every: int
+    temperature: float = 1.0
+    seeds: int = 1
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything a chapter may size by profile."""
 
@@ -157,6 +172,10 @@ class Profile:
                               exact_sequences=4, micro_batch=2, sample_batch=8, probe_sequences=4, probe_length=64,
                               probe_layers=(30, 15, 8, 3), speed_batch=16, speed_length=32,
                               fix_steps=1, fix_batch=4, fix_completion=24)
+    # chapter 5's real-model RL in this build: a smoke test (fp16 steps take a minute each on a CPU); the
+    # question is answered by the committed long run (make long-real, labutils.real_rl.LONG)
+    real_rl: RealRlPlan = RealRlPlan(steps=1, prompts_per_step=1, group=2, lr=1e-5, max_new_tokens=12,
+                                     eval_problems=4, eval_every=1)
 
 
 _WARMUP_CPU = WarmupPlan(steps=250, batch_size=32, lr=3e-3, min_walk=1, max_walk=12)
@@ -219,6 +238,8 @@ PROFILES = {
                       speed_batch=32, speed_length=512, fix_steps=20, fix_batch=16, fix_completion=128,
                       dial=("bf16", "m7", "fp8", "fp32", "fp16", "fp8_channel", "m10", "m5", "m3", "m2"),
                       dial_sequences=16, dial_length=1024),
+        real_rl=RealRlPlan(steps=200, prompts_per_step=16, group=8, lr=1e-5, max_new_tokens=32, eval_problems=256,
+                           eval_every=20, seeds=2),
     ),
 }
 
@@ -253,6 +274,8 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
                      probe_sequences=2, probe_length=16, speed_batch=2, speed_length=8,
                      fix_steps=1, fix_batch=8, fix_completion=8, dial=gpu.real.dial[:3],
                      dial_sequences=2, dial_length=16),
+        real_rl=replace(gpu.real_rl, steps=1, prompts_per_step=1, group=2, max_new_tokens=2, eval_problems=2,
+                        eval_every=1, seeds=1),
     )
 
 
