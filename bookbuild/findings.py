@@ -171,12 +171,20 @@ FINDINGS = [
     Finding(
         "FP8 rollouts or training",
         "FP8 needs a scale per tensor or per channel. E4M3's finer spacing suits the forward pass (weights and "
-        "activations), E5M2's range the gradients. An FP8 sampler adds its own mismatch: correct it as for bf16.",
+        "activations), E5M2's range the gradients. An FP8 sampler adds a mismatch far beyond bf16's: log the "
+        "token KL and ESS between sampler and trainer, and correct it as for bf16.",
         {"PyTorch": "`torch.float8_e4m3fn` with a per-channel scale; `torch._scaled_mm` on Hopper",
          "vLLM": "`quantization=\"fp8\"` for FP8 weights and activations"},
         (Evidence("09_fp8", "Quantization error of real tensors", SHOWN,
                   lambda m: (f"per-tensor activation error: E4M3 {m('09_fp8:qerr.activations.e4m3fn.tensor'):.3f}, "
-                             f"E5M2 {m('09_fp8:qerr.activations.e5m2.tensor'):.3f}")),),
+                             f"E5M2 {m('09_fp8:qerr.activations.e5m2.tensor'):.3f}")),
+         Evidence("05b_sampler_precision", "The dial on a real model", SHOWN,
+                  lambda m: (f"SmolLM2-135M, against an fp32 trainer: token KL of a real FP8 sampler "
+                             f"{m('05b_sampler_precision:real.dial.fp8_e4m3.token_kl'):.2g}, of a bf16 one "
+                             f"{m('05b_sampler_precision:real.dial.bf16.token_kl'):.2g}: "
+                             f"{m('05b_sampler_precision:real.dial.ratio.fp8_over_bf16.value'):.0f}× (95% interval "
+                             f"{m('05b_sampler_precision:real.dial.ratio.fp8_over_bf16.low'):.0f}–"
+                             f"{m('05b_sampler_precision:real.dial.ratio.fp8_over_bf16.high'):.0f}×)"))),
     ),
     Finding(
         "Running the book, or an experiment, on a CPU",

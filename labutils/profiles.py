@@ -166,11 +166,11 @@ class Profile:
     sampler_rl: GrpoPlan  # full fine-tuning runs with the sampler on the precision dial
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
-    # the CPU build's real-model runs: chapter 4b's speed at 16 x 32 tokens (the serving-sized 32 x 512 is the
+    # the CPU build's real-model runs: chapter 4b's speed at 8 x 32 tokens (the serving-sized 32 x 512 is the
     # committed `make speed` run), chapter 2's three QLoRA fixes one GRPO step each
     real: RealPlan = RealPlan(sequences=(("bf16", 8), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
                               exact_sequences=4, micro_batch=2, sample_batch=8, probe_sequences=4, probe_length=64,
-                              probe_layers=(30, 15, 8, 3), speed_batch=16, speed_length=32,
+                              probe_layers=(30, 15, 8, 3), speed_batch=8, speed_length=32,
                               fix_steps=1, fix_batch=4, fix_completion=24)
     # chapter 5's real-model RL in this build: a smoke test (fp16 steps take a minute each on a CPU); the
     # question is answered by the committed long run (make long-real, labutils.real_rl.LONG)
