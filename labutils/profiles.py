@@ -129,7 +129,7 @@ class RealPlan:
     # compares real FP8 with real bf16, and real bf16 with its 7-bit emulation, so those three come first
     dial: tuple[str, ...] = ("bf16", "m7", "fp8")
     dial_sequences: int = 4
-    dial_length: int = 64
+    dial_length: int = 32
 
 
 @dataclass(frozen=True)
