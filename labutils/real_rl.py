@@ -180,7 +180,7 @@ def stale(payload: dict) -> str | None:
 def load(target: Path = TARGET) -> tuple[dict | None, str | None]:
     """The committed long run and, where it cannot be used, why."""
     if not target.is_file():
-        return None, "No committed real-model RL run: run `make long-real` and commit its file."
+        return None, "No long run is committed yet (`make long-real` makes one), so the question stays open."
     payload = json.loads(target.read_text())
     return payload, stale(payload)
 
