@@ -30,6 +30,7 @@ import torch
 
 from . import env, grpo, models, rollout
 from .profiles import RealRlPlan
+from .sampling_speed import model_fingerprint  # the converted model's folder name, as chapter 4b's speed run
 
 TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / "real_rl.json"
 
@@ -159,13 +160,6 @@ def code_fingerprint() -> str:
         if module != "profiles":
             digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
     return digest.hexdigest()[:16]
-
-
-def model_fingerprint() -> str:
-    """The converted real model's folder name, which carries the GGUF file's fingerprint."""
-    from . import pretrained
-
-    return Path(models.resolve_model(pretrained.NAME, "dense", None)).name
 
 
 def stale(payload: dict) -> str | None:
