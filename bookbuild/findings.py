@@ -48,6 +48,23 @@ def _metric(runs: dict):
     return read
 
 
+def _during_rl(m) -> str:
+    """Chapter 5's committed real-model run: each 16-bit pair's probe mismatch at its start and end."""
+    def pair(name):
+        key = f"05_grpo_precision:real.rl.long.{name}"
+        change, se = m(f"{key}.probe_kl_change"), m(f"{key}.probe_kl_change_se")
+        seen = ("seeds disagree" if not m(f"{key}.seeds_agree") else "grew" if change > 3 * se
+                else "shrank" if change < -3 * se else "no change beyond 3 SE")
+        seeds = m(f"{key}.seeds")
+        return (f"{m(f'{key}.probe_kl_start'):.2g} → {m(f'{key}.probe_kl_end'):.2g} nats per token "
+                f"({seen}; {seeds} seed{'s' * (seeds > 1)})")
+    return (f"SmolLM2-135M trained by trl GRPO on a CPU for {m('05_grpo_precision:real.rl.long.steps')} steps "
+            f"(lr {m('05_grpo_precision:real.rl.long.lr'):g}): the mismatch on fixed prompts went bf16/bf16 "
+            f"{pair('bf16_bf16')}, fp16/fp16 {pair('fp16_fp16')}, while held-out accuracy went "
+            f"{m('05_grpo_precision:real.rl.long.fp32_fp32.eval_start'):.2f} → "
+            f"{m('05_grpo_precision:real.rl.long.fp32_fp32.eval_end'):.2f} in the fp32 control")
+
+
 def _pct(x) -> str:
     return f"{x:.1%}"
 
@@ -99,6 +116,7 @@ FINDINGS = [
                              f"(95% interval {m('04b_real_mismatch:real.ratio.bf16_over_fp16_low'):.0f}–"
                              f"{m('04b_real_mismatch:real.ratio.bf16_over_fp16_high'):.0f}×); "
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
+         Evidence("05_grpo_precision", "The committed long run", SHOWN, lambda m: _during_rl(m)),
          Evidence("05b_sampler_precision", "The pre-registered fix comparison", MECHANISM,
                   lambda m: (f"whether a bf16 sampler harms RL, on the toy with an fp32 trainer: score (mean of "
                              f"the last three π-evals) of the bf16 sampler's runs minus the fp32 sampler's "

@@ -145,6 +145,7 @@ class RealRlPlan:
     eval_every: int
     temperature: float = 1.0
     seeds: int = 1
+    probe_sequences: int = 0  # fixed prompts whose mismatch and drift are measured exactly at each evaluation
 
 
 @dataclass(frozen=True)
@@ -239,7 +240,7 @@ PROFILES = {
                       dial=("bf16", "m7", "fp8", "fp32", "fp16", "fp8_channel", "m10", "m5", "m3", "m2"),
                       dial_sequences=16, dial_length=1024),
         real_rl=RealRlPlan(steps=200, prompts_per_step=16, group=8, lr=1e-5, max_new_tokens=32, eval_problems=256,
-                           eval_every=20, seeds=2),
+                           eval_every=20, seeds=2, probe_sequences=64),
     ),
 }
 
@@ -275,7 +276,7 @@ def gpu_paths_on_cpu(gpu: Profile) -> Profile:
                      fix_steps=1, fix_batch=8, fix_completion=8, dial=gpu.real.dial[:3],
                      dial_sequences=2, dial_length=16),
         real_rl=replace(gpu.real_rl, steps=1, prompts_per_step=1, group=2, max_new_tokens=2, eval_problems=2,
-                        eval_every=1, seeds=1),
+                        eval_every=1, seeds=1, probe_sequences=2),
     )
 
 

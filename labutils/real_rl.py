@@ -8,11 +8,14 @@ at the RL temperature are measured by every run at step 0 (`eval[0]`, `well_form
 Pairs as in Qi et al.: `bf16_bf16` and `fp16_fp16` (sampler and trainer both in that precision, the
 trainer under autocast with fp32 master weights), `fp32_fp32` the control. Every step logs the
 trainer–sampler k3, χ² and ESS (`grpo.EngineGRPOTrainer`); the trained policy's held-out accuracy is
-sampled from its fp32 weights at the RL temperature every `eval_every` steps.
+sampled from its fp32 weights at the RL temperature every `eval_every` steps. One batch's k3 is too
+noisy to show a trend, so at the same steps a fixed probe (`probe`) measures the mismatch exactly over
+the vocabulary on fixed prompts, with the policy's drift from its start beside it.
 
-The long run (`make long-real`, `python -m labutils.real_rl`) writes results/long/real_rl.json with the
-fingerprint of the modules it runs and of the model; a chapter refuses a file whose fingerprint does
-not match.
+The long run (`make long-real`, `python -m labutils.real_rl`) first picks the learning rate on the
+fp32 control (`choose_lr`), then runs every pair at it, and writes results/long/real_rl.json with the
+fingerprint of the modules it runs and of the model (the library versions are in its provenance); a
+chapter refuses a file whose fingerprint does not match.
 """
 from __future__ import annotations
 
@@ -23,12 +26,12 @@ import os
 import random
 import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from . import env, grpo, models, rollout
+from . import env, grpo, mismatch, models, rollout
 from .profiles import RealRlPlan
 from .sampling_speed import model_fingerprint  # the converted model's folder name, as chapter 4b's speed run
 
@@ -76,21 +79,55 @@ def accuracy(model, tokenizer, numbers: list[int], temperature: float, max_new_t
             "well_formed": sum(a is not None for a in answers) / len(numbers)}
 
 
-def _evaluator(numbers, tokenizer, temperature, max_new_tokens, every, seed, device):
+def probe(model, start, ids: list[list[int]], dtype: torch.dtype, temperature: float, max_new_tokens: int,
+          seed: int = 0, device: str = "cpu") -> dict:
+    """The pair's mismatch and the policy's drift on fixed prompts, exact over the vocabulary, per sequence.
+
+    The sampler (the `dtype` engine, weights cast whole) draws one completion per prompt from a fixed
+    seed, keeping log μ of the whole vocabulary; the trainer scores the same tokens as it trains, under
+    autocast over the fp32 weights. Per token: KL(μ‖π) is the mismatch, and KL(π_fp32‖π_0) against
+    `start` (a TrainingEngine holding the policy before training) the drift; each is averaged over a
+    sequence's tokens, so sequences are the independent units of its standard error.
+    """
+    out = rollout.InferenceEngine(model, dtype, device).sample(
+        ids, max_new_tokens, temperature=temperature, generator=torch.Generator(device).manual_seed(seed),
+        keep_vocab=True)
+    fp32 = rollout.TrainingEngine(model, torch.float32, device)
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        trainer = fp32.score(out, temperature, keep_vocab=True).vocab
+    policy = trainer if dtype == torch.float32 else fp32.score(out, temperature, keep_vocab=True).vocab
+    mask = out.mask.float()
+
+    def per_sequence(kl):
+        return ((kl.float() * mask).sum(1) / mask.sum(1)).tolist()
+
+    return {"mismatch": per_sequence(mismatch.token_kl(out.vocab_logprobs, trainer)),
+            "drift": per_sequence(mismatch.token_kl(policy, start.score(out, temperature, keep_vocab=True).vocab))}
+
+
+def _evaluator(numbers, tokenizer, temperature, max_new_tokens, every, seed, device, probe_numbers=(),
+               dtype=torch.float32):
     from transformers import TrainerCallback
+
+    probe_ids = [tokenizer(prompt_text(tokenizer, n), add_special_tokens=False)["input_ids"] for n in probe_numbers]
 
     class HeldOut(TrainerCallback):
         def __init__(self):
             self.history: list[tuple[int, dict]] = []
+            self.start = None
 
         def _score(self, state, model):
             was_training = model.training
             model.eval()
-            self.history.append((state.global_step, accuracy(model, tokenizer, numbers, temperature,
-                                                             max_new_tokens, seed, device)))
+            scores = accuracy(model, tokenizer, numbers, temperature, max_new_tokens, seed, device)
+            if probe_ids:
+                scores |= probe(model, self.start, probe_ids, dtype, temperature, max_new_tokens, seed, device)
+            self.history.append((state.global_step, scores))
             model.train(was_training)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if probe_ids:  # the policy before training, for the drift
+                self.start = rollout.TrainingEngine(model, torch.float32, device)
             self._score(state, model)
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -102,8 +139,9 @@ def _evaluator(numbers, tokenizer, temperature, max_new_tokens, every, seed, dev
 
 def run(pair: str, profile, steps: int, prompts_per_step: int, group: int, lr: float, max_new_tokens: int,
         eval_numbers: list[int], eval_every: int, output_dir: str, model_id: str, seed: int = 0,
-        temperature: float = 1.0, train_prompts: int = 512) -> dict:
-    """One GRPO run of `pair` on the real model; its per-step curves and held-out accuracy history."""
+        temperature: float = 1.0, train_prompts: int = 512, probe_numbers: list[int] = ()) -> dict:
+    """One GRPO run of `pair` on the real model; its per-step curves, held-out accuracy history and, with
+    `probe_numbers`, the probe's per-sequence mismatch and drift at the same steps."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
 
@@ -126,7 +164,8 @@ def run(pair: str, profile, steps: int, prompts_per_step: int, group: int, lr: f
                                           processing_class=tokenizer, rollout_func=sampler, train_dtype=dtype)
     trainer.remove_callback(PrinterCallback)
     scaler = trainer.add_loss_scaler()  # fp16 only: the scaler accelerate builds off the CPU alone
-    held_out = _evaluator(eval_numbers, tokenizer, temperature, max_new_tokens, eval_every, seed, profile.device)
+    held_out = _evaluator(eval_numbers, tokenizer, temperature, max_new_tokens, eval_every, seed, profile.device,
+                          probe_numbers, dtype)
     trainer.add_callback(held_out)
     start = time.perf_counter()
     trainer.train()
@@ -141,13 +180,51 @@ def run(pair: str, profile, steps: int, prompts_per_step: int, group: int, lr: f
             "k3": curve("mismatch/k3"), "chi2": curve("is/token_chi2"), "ess": curve("is/ess"),
             "eval_steps": [s for s, _ in held_out.history],
             "eval": [e["accuracy"] for _, e in held_out.history],
-            "well_formed": [e["well_formed"] for _, e in held_out.history]}
+            "well_formed": [e["well_formed"] for _, e in held_out.history],
+            "frac_reward_zero_std": curve("frac_reward_zero_std"),  # groups that teach nothing
+            "probe_mismatch": [e["mismatch"] for _, e in held_out.history if "mismatch" in e],
+            "probe_drift": [e["drift"] for _, e in held_out.history if "drift" in e]}
 
 
-# the committed run's size, fixed before it ran: 60 s per fp16 step on a 2-core CPU (fp16 has no fast CPU
-# kernels), about 12 s for bf16 and fp32
-LONG = RealRlPlan(steps=30, prompts_per_step=2, group=4, lr=1e-5, max_new_tokens=12, eval_problems=64,
-                  eval_every=10)
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    return mean, (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
+
+
+def growth(result: dict, key: str = "probe_mismatch") -> dict:
+    """The probe's `key` at a run's first and last evaluation, and its change with a paired standard error
+    (the same prompts and seed each time, so each sequence is compared with itself)."""
+    first, last = result[key][0], result[key][-1]
+    start, start_se = _mean_se(first)
+    end, end_se = _mean_se(last)
+    change, change_se = _mean_se([b - a for a, b in zip(first, last)])
+    return {"start": start, "start_se": start_se, "end": end, "end_se": end_se, "change": change,
+            "change_se": change_se}
+
+
+def pooled_growth(results: list[dict], key: str = "probe_mismatch") -> dict:
+    """`growth` averaged over a pair's seeds, standard errors combined as independent; and the verdict:
+    "grew" or "shrank" where the change is beyond 3 standard errors, else "no change seen", with the
+    smallest change this run could have seen (3 SE) as a share of the start."""
+    each = [growth(r, key) for r in results]
+    n = len(each)
+    out = {k: sum(g[k] for g in each) / n for k in ("start", "end", "change")}
+    out |= {k: sum(g[k] ** 2 for g in each) ** 0.5 / n for k in ("start_se", "end_se", "change_se")}
+    seen = abs(out["change"]) > 3 * out["change_se"]
+    out["verdict"] = ("grew" if out["change"] > 0 else "shrank") if seen else "no change seen"
+    out["detectable_share"] = 3 * out["change_se"] / out["start"] if out["start"] > 0 else float("nan")
+    out["seeds"] = n
+    return out
+
+
+# the committed run's size, fixed before it ran. On a 2-core CPU a step of 8 completions takes about 13 s
+# in fp32 and bf16, and several times that in fp16 (this CPU has no fp16 matrix kernels), so fp16 gets one
+# seed and the others more. The learning rate is the control's choice among LONG_LRS (`choose_lr`).
+LONG = RealRlPlan(steps=24, prompts_per_step=2, group=4, lr=1e-5, max_new_tokens=12, eval_problems=128,
+                  eval_every=6, probe_sequences=32)
+LONG_LRS = (1e-4, 3e-5, 1e-5)  # tried largest first, until one holds
+LONG_SEEDS = {"fp32_fp32": 2, "bf16_bf16": 3, "fp16_fp16": 1}
 
 
 def code_fingerprint() -> str:
@@ -179,19 +256,48 @@ def load(target: Path = TARGET) -> tuple[dict | None, str | None]:
     return payload, stale(payload)
 
 
-def run_plan(plan: RealRlPlan, profile, output_dir: str, model_id: str, pairs=PAIRS, progress=print) -> dict:
-    """Every pair at every seed of `plan`, on the same held-out numbers."""
+def run_plan(plan: RealRlPlan, profile, output_dir: str, model_id: str, pairs=PAIRS, progress=print,
+             seeds: dict | None = None) -> dict:
+    """Every pair at each of its seeds (`seeds`: a count or a range per pair, else `plan.seeds`), on the same
+    held-out and probe numbers."""
     eval_numbers = problems(plan.eval_problems, seed=0)
+    probe_numbers = eval_numbers[:plan.probe_sequences]
     runs = {}
     for pair in pairs:
-        for seed in range(plan.seeds):
+        chosen = (seeds or {}).get(pair, plan.seeds)
+        for seed in range(chosen) if isinstance(chosen, int) else chosen:
             result = run(pair, profile, plan.steps, plan.prompts_per_step, plan.group, plan.lr, plan.max_new_tokens,
                          eval_numbers, plan.eval_every, output_dir, model_id, seed=seed,
-                         temperature=plan.temperature)
+                         temperature=plan.temperature, probe_numbers=probe_numbers)
             runs.setdefault(pair, []).append(result)
-            progress(f"{pair} seed {seed}: k3 {result['k3'][0]:.2g} → {result['k3'][-1]:.2g}, held-out "
-                     f"{result['eval'][0]:.2f} → {result['eval'][-1]:.2f} ({result['seconds']:.0f} s)")
+            drift = f", probe KL {growth(result)['start']:.2g} → {growth(result)['end']:.2g}" if probe_numbers else ""
+            progress(f"{pair} seed {seed} lr {plan.lr:g}: k3 {result['k3'][0]:.2g} → {result['k3'][-1]:.2g}{drift}, "
+                     f"held-out {result['eval'][0]:.2f} → {result['eval'][-1]:.2f} ({result['seconds']:.0f} s)")
     return runs
+
+
+def held(result: dict, key: str = "eval") -> bool:
+    """Whether a run's held-out `key` rate stayed, at every evaluation, within 2 standard errors below its start."""
+    n = len(problems(LONG.eval_problems, seed=0))
+    start = result[key][0]
+    return all(v >= start - 2 * ((start * (1 - start) + v * (1 - v)) / n) ** 0.5 for v in result[key][1:])
+
+
+def choose_lr(profile, output_dir: str, model_id: str, lrs=LONG_LRS, progress=print) -> tuple[float, list[dict], dict]:
+    """The regime, chosen on the fp32 control before any comparison: the largest of `lrs` at which the
+    control's seed-0 run, at the comparison's full length, kept its held-out accuracy and well-formed rate
+    (`held`). Returns that rate, the runs tried, and the kept run (the comparison's fp32 seed 0)."""
+    pilot = []
+    for lr in sorted(lrs, reverse=True):
+        result = run_plan(replace(LONG, lr=lr), profile, output_dir, model_id, pairs=("fp32_fp32",),
+                          progress=progress, seeds={"fp32_fp32": 1})["fp32_fp32"][0]
+        ok = held(result) and held(result, "well_formed")
+        pilot.append({"lr": lr, "steps": LONG.steps, "kept": ok, "eval": result["eval"],
+                      "well_formed": result["well_formed"], "drift": growth(result, "probe_drift")["end"],
+                      "seconds": result["seconds"]})
+        if ok:
+            return lr, pilot, result
+    return min(lrs), pilot, result  # none held: the smallest, and the chapter says the control did not hold
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -203,16 +309,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, default=TARGET)
     args = parser.parse_args(argv)
     began = time.time()
-    with tempfile.TemporaryDirectory() as scratch:
-        runs = run_plan(LONG, profiles.PROFILES["cpu"], scratch, pretrained.NAME)
-    payload = {"plan": asdict(LONG), "task": PROMPT, "runs": runs, "minutes": (time.time() - began) / 60,
-               "provenance": {"code": code_fingerprint(), "model": model_fingerprint(),
-                              "date": time.strftime("%Y-%m-%d", time.gmtime(began)), "cpu": env.cpu_model(),
-                              "kernel_set": env.kernel_set(), "torch_threads": torch.get_num_threads(),
-                              "env": env.env_report()}}
+    profile = profiles.PROFILES["cpu"]
     args.target.parent.mkdir(parents=True, exist_ok=True)
-    args.target.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {args.target}")
+    with tempfile.TemporaryDirectory() as scratch:
+        lr, pilot, control = choose_lr(profile, scratch, pretrained.NAME)
+        plan, runs = replace(LONG, lr=lr), {"fp32_fp32": [control]}
+        for pair in PAIRS:  # the file is rewritten after each pair, marked complete after the last
+            done = len(runs.get(pair, []))
+            more = run_plan(plan, profile, scratch, pretrained.NAME, pairs=(pair,),
+                            seeds={pair: range(done, LONG_SEEDS[pair])})
+            runs[pair] = runs.get(pair, []) + more.get(pair, [])
+            payload = {"plan": asdict(plan), "seeds": LONG_SEEDS, "pilot": pilot, "task": PROMPT, "runs": runs,
+                       "complete": len(runs) == len(PAIRS),
+                       "growth": {pair: pooled_growth(results) for pair, results in runs.items()},
+                       "drift": {pair: pooled_growth(results, "probe_drift") for pair, results in runs.items()},
+                       "minutes": (time.time() - began) / 60,
+                       "provenance": {"code": code_fingerprint(), "model": model_fingerprint(),
+                                      "date": time.strftime("%Y-%m-%d", time.gmtime(began)), "cpu": env.cpu_model(),
+                                      "kernel_set": env.kernel_set(), "torch_threads": torch.get_num_threads(),
+                                      "env": env.env_report()}}
+            args.target.write_text(json.dumps(payload, indent=1) + "\n")
+            print(f"wrote {args.target} ({', '.join(runs)})")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,25 @@ def means_fit(x: list[float], y: list[float], clusters: list[str], level: float 
 def score_text(score: float, spread: float) -> str:
     """A score with its spread over seeds, or alone where one seed gives no spread."""
     return f"{score:.3f}" if math.isnan(spread) else f"{score:.3f} ± {spread:.3f}"
+
+
+def probe_change(runs: list[dict], key: str = "probe_mismatch") -> dict:
+    """A pair's probe `key` (per-prompt lists, first and last evaluation) from its start to its end, over seeds.
+
+    The seeds share their prompts, so each prompt's change is averaged over the seeds first and the standard
+    error is taken over prompts. The completions are resampled at every probe, so a change includes changes
+    in the policy's own samples (sharper distributions, other lengths), not only in rounding. The verdict
+    needs 3 standard errors and every seed's change to have the same sign.
+    """
+    per_seed = [[b - a for a, b in zip(r[key][0], r[key][-1])] for r in runs]
+    per_prompt = np.mean(per_seed, axis=0)
+    seed_changes = [float(np.mean(c)) for c in per_seed]
+    start = float(np.mean([np.mean(r[key][0]) for r in runs]))
+    end = float(np.mean([np.mean(r[key][-1]) for r in runs]))
+    change, se = float(per_prompt.mean()), float(per_prompt.std(ddof=1) / math.sqrt(len(per_prompt)))
+    agree = len({c > 0 for c in seed_changes}) == 1
+    verdict = ("seeds disagree" if not agree else "no change beyond 3 SE" if abs(change) <= 3 * se
+               else "grew" if change > 0 else "shrank")
+    return {"start": start, "end": end, "change": change, "change_se": se, "seed_changes": seed_changes,
+            "seeds": len(runs), "seeds_agree": agree, "rising_prompts": int((per_prompt > 0).sum()),
+            "prompts": len(per_prompt), "verdict": verdict}

@@ -71,7 +71,11 @@ REQUIRED_METRICS = {
        "ratio.kl_bf16_fp16_over_bf16_bf16", "autocast.linear.equals_rounded_inputs",
        "autocast.linear.equals_rounded_output", "autocast.residual_dtype", "autocast.linear_output_dtype"]
     + [f"real.rl.{pair}.{m}" for pair in ("fp32_fp32", "bf16_bf16", "fp16_fp16")
-       for m in ("k3_first", "k3_last", "eval_start", "eval_end", "well_formed_start")],
+       for m in ("k3_first", "k3_last", "eval_start", "eval_end", "well_formed_start")]
+    + ["real.rl.long.lr", "real.rl.long.steps"]
+    + [f"real.rl.long.{pair}.{m}" for pair in ("fp32_fp32", "bf16_bf16", "fp16_fp16")
+       for m in ("probe_kl_start", "probe_kl_end", "probe_kl_change", "probe_kl_change_se", "seeds", "seeds_agree",
+                 "drift_end", "eval_start", "eval_end")],
     "05b_sampler_precision": [f"dial.{m}.{k}" for m in (10, 7, 5, 4, 3, 2) for k in ("token_kl", "seq_kl_1k")]
     + ["dial.fp8_e4m3.token_kl"] + [f"bias.{m}.cosine" for m in (7, 4, 2)]
     + [f"rl.{run}.{m}" for run in mismatch_rl.runs_at(profiles.PROFILES["cpu"].sampler.bits)
@@ -253,6 +257,12 @@ def test_grpo_engines_run_in_their_precisions():
     # on the real model too: fp32 engines agree to rounding noise (~1e-10), 16-bit ones (1e-5 and up) do not
     for step in ("k3_first", "k3_last"):
         assert metrics[f"real.rl.fp32_fp32.{step}"] < 1e-8 < min(metrics[f"real.rl.{p}.{step}"] for p in ("bf16_bf16", "fp16_fp16"))
+    # the committed long run's probe, read as the run's own analysis reads it: an exact KL is rounding noise in
+    # fp32 and the paper's order in 16 bits
+    long_run = "real.rl.long.{}.probe_kl_{}"
+    for when in ("start", "end"):
+        fp32, fp16, bf16 = (metrics[long_run.format(p, when)] for p in ("fp32_fp32", "fp16_fp16", "bf16_bf16"))
+        assert abs(fp32) < fp16 / 100 and fp16 < bf16
     for combo, dtype in [("bf16_bf16", "bfloat16"), ("fp16_fp16", "float16"), ("fp16_fp16_unscaled", "float16"),
                          ("fp32_fp32", "float32")]:
         assert metrics[f"combo.{combo}.logits_dtype"] == dtype  # the training engine is really that precision

@@ -39,3 +39,61 @@ def test_the_fingerprint_covers_the_trainer_and_the_engines():
     from labutils.long_run import modules_run
 
     assert {"real_rl", "grpo", "rollout", "decoding", "mismatch"} <= set(modules_run("real_rl"))
+
+
+def test_the_probe_sees_no_fp32_mismatch_no_drift_at_the_start_and_a_bf16_mismatch(tiny_profile):
+    import torch
+
+    from labutils import models, rollout
+
+    model, _ = models.load(None, "dense", tiny_profile, seed=0)
+    with torch.no_grad():  # an untrained model's next-token distributions are near uniform: sharpen them
+        model.get_output_embeddings().weight.mul_(30)
+    ids = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [7, 5], [11, 12, 13], [6, 9, 14]]
+    start = rollout.TrainingEngine(model, torch.float32)
+    fp32 = real_rl.probe(model, start, ids, torch.float32, 1.0, 6)
+    bf16 = real_rl.probe(model, start, ids, torch.bfloat16, 1.0, 6)
+    assert len(fp32["mismatch"]) == len(ids) == len(bf16["drift"])
+    assert max(fp32["drift"] + bf16["drift"]) == 0.0  # the policy is still its start: the same fp32 forward
+    # the sampler's cached decode against one teacher-forced forward: rounding in fp32, weights cast whole to
+    # bf16 against an autocast trainer in bf16
+    assert sum(abs(v) for v in fp32["mismatch"]) < sum(bf16["mismatch"]) / 100
+
+
+def test_growth_is_paired_and_the_verdict_needs_three_standard_errors():
+    steady = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.1, 2.1, 3.1, 4.1]]}  # every sequence up by 0.1
+    noisy = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.3, 1.7, 3.3, 3.9]]}
+    grew = real_rl.pooled_growth([steady])
+    assert grew["change"] == pytest.approx(0.1) and grew["change_se"] < 1e-9 and grew["verdict"] == "grew"
+    unclear = real_rl.pooled_growth([noisy, noisy])
+    assert unclear["verdict"] == "no change seen" and unclear["seeds"] == 2
+    assert unclear["detectable_share"] == pytest.approx(3 * unclear["change_se"] / 2.5)
+
+
+def test_the_committed_long_run_is_this_checkouts_complete_and_read_as_its_code_reads_it():
+    payload, why = real_rl.load()
+    assert why is None, why
+    assert payload["complete"] and {pair: len(runs) for pair, runs in payload["runs"].items()} == payload["seeds"]
+    for pair, runs in payload["runs"].items():
+        recorded, computed = dict(payload["growth"][pair]), real_rl.pooled_growth(runs)
+        assert recorded.pop("verdict") == computed.pop("verdict")
+        assert recorded == pytest.approx(computed, nan_ok=True)
+        assert all(len(r["probe_mismatch"]) == len(r["eval_steps"]) for r in runs)
+
+
+def test_the_control_holds_only_if_no_evaluation_falls_beyond_two_standard_errors():
+    assert real_rl.held({"eval": [0.30, 0.25, 0.50]})  # 0.25 is within 2 SE (0.11 at 128 numbers) of 0.30
+    assert not real_rl.held({"eval": [0.30, 0.60, 0.00]})  # a collapse at the end fails, whatever came before
+
+
+def test_a_probe_change_needs_three_standard_errors_over_prompts_and_seeds_that_agree():
+    from labutils.rl_analysis import probe_change
+
+    up = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.2, 2.1, 3.3, 4.1]]}
+    down = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [0.9, 1.9, 2.8, 3.9]]}
+    grew = probe_change([up, up])
+    assert grew["verdict"] == "grew" and grew["change"] == pytest.approx(0.175) and grew["rising_prompts"] == 4
+    assert probe_change([up, down])["verdict"] == "seeds disagree"
+    assert probe_change([down])["verdict"] == "shrank"
+    noisy = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.5, 1.6, 3.4, 3.7]]}
+    assert probe_change([noisy])["verdict"] == "no change beyond 3 SE"
