@@ -52,12 +52,9 @@ def _during_rl(m) -> str:
     """Chapter 5's committed real-model run: each 16-bit pair's probe mismatch at its start and end."""
     def pair(name):
         key = f"05_grpo_precision:real.rl.long.{name}"
-        change, se = m(f"{key}.probe_kl_change"), m(f"{key}.probe_kl_change_se")
-        seen = ("seeds disagree" if not m(f"{key}.seeds_agree") else "grew" if change > 3 * se
-                else "shrank" if change < -3 * se else "no change beyond 3 SE")
         seeds = m(f"{key}.seeds")
         return (f"{m(f'{key}.probe_kl_start'):.2g} → {m(f'{key}.probe_kl_end'):.2g} nats per token "
-                f"({seen}; {seeds} seed{'s' * (seeds > 1)})")
+                f"({m(f'{key}.verdict')}; {seeds} seed{'s' * (seeds > 1)})")
     return (f"SmolLM2-135M trained by trl GRPO on a CPU for {m('05_grpo_precision:real.rl.long.steps')} steps "
             f"(lr {m('05_grpo_precision:real.rl.long.lr'):g}): the mismatch on fixed prompts went bf16/bf16 "
             f"{pair('bf16_bf16')}, fp16/fp16 {pair('fp16_fp16')}, while held-out accuracy went "
