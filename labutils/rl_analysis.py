@@ -1,6 +1,7 @@
 """What chapter 5b reads from its RL runs: per-arm summaries, paired comparisons in the ledger's
-vocabulary, collapses against a seed's own running maximum, whether the mismatch rose before them,
-and the dose–response of the trained policy's score on the mismatch.
+vocabulary, collapses (falls below a seed's own running maximum that never recover) and dips (that
+may), whether the mismatch rose before a collapse (against runs that did not collapse, in the same
+windows), and the dose–response of the trained policy's score on the mismatch.
 """
 from __future__ import annotations
 
@@ -14,33 +15,57 @@ from .rl_design import LEVEL, binomial_se, score
 DIFFERENCE, NO_DIFFERENCE, INCONCLUSIVE = "a difference", "no difference, with power", "inconclusive"
 
 
-def collapse_at(evals: list[float], margin: float, stay: int = 2) -> int | None:
-    """The index of the π-eval where a seed collapses, or None: it falls `margin` or more below its own
-    running maximum and stays there for at least `stay` evaluations."""
+def dip_at(evals: list[float], margin: float, stay: int = 2) -> int | None:
+    """The index of the π-eval where a seed dips, or None: it falls `margin` or more below its own
+    running maximum and stays there for at least `stay` evaluations (it may recover later)."""
     best = evals[0]
     for i, value in enumerate(evals):
-        if value <= best - margin and len(evals[i:i + stay]) == stay and all(v <= best - margin for v in evals[i:i + stay]):
+        window = evals[i:i + stay]
+        if len(window) == stay and all(v <= best - margin for v in window):
             return i
         best = max(best, value)
     return None
 
 
-def kl_rise_before(curve: dict, margin: float) -> bool | None:
-    """For a collapsed run, whether its token KL in the steps just before the collapse exceeds its KL in
-    as many steps at the start (None for a run that did not collapse)."""
-    at = collapse_at(curve["eval"], margin)
-    if at is None:
-        return None
-    step, width = curve["eval_steps"][at], precursor_window(curve)
-    kl = curve["kl"]  # one value per optimizer step, step 1 first
+def collapse_at(evals: list[float], margin: float, stay: int = 2) -> int | None:
+    """The index of the π-eval where a seed collapses, or None: it falls `margin` or more below its
+    running maximum and never returns above that maximum minus the margin (at least `stay` evaluations
+    from the fall to the end). A dip that recovers is not a collapse."""
+    best = evals[0]
+    for i, value in enumerate(evals):
+        rest = evals[i:]
+        if len(rest) >= stay and all(v <= best - margin for v in rest):
+            return i
+        best = max(best, value)
+    return None
+
+
+def kl_rise_at(curve: dict, step: int) -> bool:
+    """Whether a run's token KL over the `precursor_window` steps before `step` exceeds its KL over as
+    many steps at the start: the precursor's comparison, for any run at any step."""
+    width, kl = precursor_window(curve), curve["kl"]  # one KL per optimizer step, step 1 first
     before, first = kl[max(0, step - width):step], kl[:width]
     return sum(before) / len(before) > sum(first) / len(first)
 
 
-def kl_rise_late(curve: dict) -> bool:
-    """The same comparison for any run: is its KL over the last steps above its KL over as many first steps?"""
-    width, kl = precursor_window(curve), curve["kl"]
-    return sum(kl[-width:]) / width > sum(kl[:width]) / width
+def kl_rise_before(curve: dict, margin: float) -> bool | None:
+    """For a collapsed run, whether its token KL rose in the steps just before the collapse (against as
+    many steps at the start); None for a run that did not collapse."""
+    at = collapse_at(curve["eval"], margin)
+    return None if at is None else kl_rise_at(curve, curve["eval_steps"][at])
+
+
+def collapse_step(curve: dict, margin: float) -> int | None:
+    """The optimizer step of a run's collapse (the π-eval where it falls), or None."""
+    at = collapse_at(curve["eval"], margin)
+    return None if at is None else curve["eval_steps"][at]
+
+
+def kl_rise_base_rate(steady: list[dict], steps: list[int]) -> float:
+    """How often runs that did not collapse show the same rise, in the same windows as the collapses:
+    each steady run compared at each collapse's step (nan where there is nothing to compare)."""
+    rises = [kl_rise_at(c, step) for step in steps for c in steady]
+    return sum(rises) / len(rises) if rises else float("nan")
 
 
 def precursor_window(curve: dict) -> int:
@@ -95,6 +120,7 @@ def summarize(curves: list[dict], margin: float) -> dict:
             "seq_chi2_mean": mean([mean(c["seq_chi2"]) for c in curves]),
             "corrected_mean": mean([mean(c["corrected"]) for c in curves]) if curves[0]["corrected"] else 0.0,
             "collapsed_seeds": sum(collapse_at(c["eval"], margin) is not None for c in curves),
+            "dipped_seeds": sum(dip_at(c["eval"], margin) is not None for c in curves),
             "eval_problems": curves[0].get("eval_problems", 0)}
 
 

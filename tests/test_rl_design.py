@@ -33,11 +33,23 @@ def test_the_regime_is_the_largest_rate_whose_every_seed_gains_without_dipping()
     assert rl_design.choose({3e-4: sweep[3e-4]}) is None
 
 
-def test_a_collapse_is_a_fall_below_the_running_maximum_that_stays():
-    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.82, 0.9], 0.1) == 2  # below its maximum 0.95, twice
-    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.95, 0.8], 0.1) is None  # recovers at once each time
-    assert rl_analysis.collapse_at([0.8, 0.85, 0.9, 0.95, 0.8], 0.1) is None  # the last evaluation alone
+def test_a_dip_is_a_fall_below_the_running_maximum_that_stays_two_evaluations():
+    assert rl_analysis.dip_at([0.8, 0.95, 0.8, 0.82, 0.9], 0.1) == 2  # below its maximum 0.95, twice
+    assert rl_analysis.dip_at([0.8, 0.95, 0.8, 0.95, 0.8], 0.1) is None  # recovers at once each time
+    assert rl_analysis.dip_at([0.8, 0.85, 0.9, 0.95, 0.8], 0.1) is None  # the last evaluation alone
+    assert rl_analysis.dip_at([0.9, 0.7, 0.7], 0.1) == 1  # below the start counts too
+
+
+def test_a_collapse_is_a_fall_that_never_recovers():
+    recovers = [0.86, 0.54, 0.75, 0.85, 0.99]  # a dip of 0.32 that ends above its start
+    assert rl_analysis.dip_at(recovers, 0.1) == 1
+    assert rl_analysis.collapse_at(recovers, 0.1) is None
+    assert rl_analysis.collapse_at([0.86, 0.70, 0.75, 0.89, 0.89], 0.1) is None
+    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.82, 0.9], 0.1) is None  # 0.9 is back within 0.1 of 0.95
+    assert rl_analysis.collapse_at([0.8, 0.95, 0.8, 0.82, 0.84], 0.1) == 2  # below 0.85 to the end
     assert rl_analysis.collapse_at([0.9, 0.7, 0.7], 0.1) == 1  # below the start counts too
+    assert rl_analysis.collapse_at([0.8, 0.85, 0.9, 0.95, 0.8], 0.1) is None  # the last evaluation alone
+    assert rl_analysis.collapse_at([0.9, 0.6, 0.5, 0.85, 0.7, 0.7], 0.1) == 4  # recovers, then falls for good
 
 
 def test_the_precursor_compares_the_kl_before_the_collapse_with_the_kl_at_the_start():
@@ -47,7 +59,26 @@ def test_the_precursor_compares_the_kl_before_the_collapse_with_the_kl_at_the_st
     assert rl_analysis.kl_rise_before(rising, 0.1) is True
     assert rl_analysis.kl_rise_before(falling, 0.1) is False
     assert rl_analysis.kl_rise_before(steady, 0.1) is None
-    assert rl_analysis.kl_rise_late(rising) and not rl_analysis.kl_rise_late(falling)
+    assert rl_analysis.collapse_step(rising, 0.1) == 20 and rl_analysis.collapse_step(steady, 0.1) is None
+
+
+def test_the_base_rate_compares_steady_runs_in_the_collapses_own_windows():
+    # KL high over steps 11-20, then low: a rise just before step 20, none over the last steps
+    early = [1e-3] * 10 + [5e-3] * 10 + [1e-4] * 20  # 40 steps, π-evals every 10: window 5
+    steady = [_curve([0.9, 0.92, 0.93, 0.94, 0.95], kl=early, every=10)] * 3
+    assert rl_analysis.precursor_window(steady[0]) == 5
+    assert rl_analysis.kl_rise_at(steady[0], 20) is True  # steps 16-20 (5e-3) against 1-5 (1e-3)
+    assert rl_analysis.kl_rise_at(steady[0], 40) is False  # the last steps against the first
+    assert rl_analysis.kl_rise_base_rate(steady, [20]) == 1.0  # at the collapses' step, every run rose
+    assert rl_analysis.kl_rise_base_rate(steady, [20, 40]) == 0.5
+    assert math.isnan(rl_analysis.kl_rise_base_rate(steady, []))
+
+
+def test_an_arm_counts_its_dips_and_its_collapses_apart():
+    curves = [dict(_curve(e), reward=[0.5], grad_norm=[1.0], ess=[1.0], seq_chi2=[0.0], corrected=[])
+              for e in ([0.86, 0.54, 0.75, 0.85, 0.99], [0.9, 0.6, 0.5, 0.5, 0.5], [0.9, 0.92, 0.95, 0.96, 0.97])]
+    arm = rl_analysis.summarize(curves, 0.1)
+    assert arm["dipped_seeds"] == 2 and arm["collapsed_seeds"] == 1
 
 
 def test_the_clustered_interval_is_wider_than_the_naive_one_when_arms_share_an_error():
