@@ -327,6 +327,20 @@ def _hide_machine_paths(executed: Path, root: Path) -> None:
     nbformat.write(notebook, executed)
 
 
+PARAMETER_TAGS = ("parameters", "injected-parameters")  # the chapter's defaults, and what papermill ran it with
+
+
+def hide_parameters(notebook):
+    """The notebook with its parameters cells (the chapter's own and papermill's injected one) tagged
+    `remove-cell`: the page shows what the run measured, and its provenance line says with what parameters.
+    Papermill's tags stay, so the notebook can still be run with other parameters."""
+    for cell in notebook.cells:
+        tags = cell.metadata.get("tags", [])
+        if any(tag in tags for tag in PARAMETER_TAGS) and "remove-cell" not in tags:
+            cell.metadata["tags"] = [*tags, "remove-cell"]
+    return notebook
+
+
 def _copy_if_changed(src: Path, dst: Path) -> None:
     """Copy keeping the destination untouched when equal, so Sphinx rebuilds only what changed."""
     if dst.is_file() and filecmp.cmp(src, dst, shallow=False):
@@ -361,7 +375,7 @@ def stage(root: Path = ROOT) -> None:
     taught = []  # each chapter's solutions, cut from its page for the teacher's page
     for stem in chapters(root):
         executed = nbformat.read(root / "_build" / "executed" / f"{stem}.ipynb", as_version=4)
-        participants, blocks = solutions.split(executed)
+        participants, blocks = solutions.split(hide_parameters(executed))
         _write_if_changed(nbformat.writes(participants), SITE / "chapters" / f"{stem}.ipynb")
         taught.append((stem, solutions.title(executed), blocks, solutions.glued(executed)))
     _write_if_changed(solutions.page(taught), SITE / "appendix" / "solutions.md")
@@ -407,7 +421,30 @@ def jupyter_book(site: Path, output: Path) -> Path:
     command = Path(sys.executable).with_name("jupyter-book")
     subprocess.run([str(command), "build", str(site), "--path-output", str(output), "-W",
                     "--keep-going", "--quiet"], check=True)
-    return output / "_build" / "html"
+    html = output / "_build" / "html"
+    for page in html.rglob("*.html"):
+        text = page.read_text()
+        softened = soften_table_code(text)
+        if softened != text:
+            page.write_text(softened)
+    return html
+
+
+TABLE = re.compile(r"<table\b.*?</table>", re.S)
+CODE = re.compile(r"(<code\b[^>]*>)(.*?)(</code>)", re.S)
+BREAK_AFTER = re.compile(r"([_=,(/]|\.(?!\d))")  # not inside a number: 1.0
+
+
+def soften_table_code(html: str) -> str:
+    """Code inside tables with a line-break opportunity (`<wbr>`) after each `.`, `_`, `=`, `,`, `(` and
+    `/`, so a long setting wraps between its parts (`GRPOConfig(fp16=` / `True)`), not inside a word.
+    Tags and their attributes are left as they are; running it twice changes nothing."""
+    def code(match: re.Match) -> str:
+        parts = re.split(r"(<[^>]+>)", match.group(2))
+        inner = "".join(part if part.startswith("<") else BREAK_AFTER.sub(r"\1<wbr>", part) for part in parts)
+        return match.group(1) + re.sub(r"(?:<wbr>)+", "<wbr>", inner) + match.group(3)
+
+    return TABLE.sub(lambda table: CODE.sub(code, table.group(0)), html)
 
 
 def write_colab_notebooks(html: Path, root: Path = ROOT) -> list[Path]:

@@ -1,14 +1,16 @@
 """The built HTML book, served on localhost and loaded page by page in headless Chromium.
 
 Fails on a JavaScript error, a request that fails or answers 4xx/5xx, an image that does not load,
-and a figure that is empty (no image, or an image of one flat colour). Saves screenshots of the
-landing page and one chapter to `_build/screenshots/`.
+a figure that is empty (no image, or an image of one flat colour), a table wider than its column at
+a 1,280-px window, and a parameters cell a reader can see. Saves screenshots of the landing page and
+one chapter, and each page's table widths, to `_build/screenshots/`.
 
 Needs Debian's chromium (`make browser` installs it as root); without it the test is skipped,
 unless LAB_REQUIRE_BROWSER=1 (CI), where a missing browser is a failure.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -46,6 +48,35 @@ INSPECT_IMAGES = """() => {
     if (!fig.querySelector('img, svg')) problems.push('figure without an image');
   return problems;
 }"""
+
+
+# Runs in a page: every table (hidden outputs opened, as a reader may open them) against the width it
+# has without scrolling sideways: its nearest box that clips or scrolls, at most the article's column.
+# And any parameters cell, the chapter's own or papermill's injected one, that takes up room on the page.
+INSPECT_LAYOUT = """() => {
+  for (const d of document.querySelectorAll('details')) d.open = true;
+  for (const e of document.querySelectorAll('.toggle-hidden')) e.classList.remove('toggle-hidden');
+  const column = document.querySelector('article') || document.body;
+  const room = (el) => {
+    let box = el.parentElement;
+    while (box && box !== column && getComputedStyle(box).overflowX === 'visible') box = box.parentElement;
+    return Math.min((box || column).clientWidth, column.clientWidth);
+  };
+  const tables = [], problems = [];
+  for (const table of column.querySelectorAll('table')) {
+    if (!table.getClientRects().length) continue;
+    const width = Math.round(table.getBoundingClientRect().width), fits = room(table);
+    const name = (table.querySelector('caption') || table.querySelector('th') || table).textContent
+      .replace(/\\s+/g, ' ').trim().slice(0, 50);
+    tables.push({name, width, room: fits});
+    if (width > fits + 1) problems.push(`table ${width} px wide in a ${fits} px column: "${name}"`);
+  }
+  for (const cell of document.querySelectorAll('.cell.tag_parameters, .cell.tag_injected-parameters'))
+    if (cell.getClientRects().length)
+      problems.push(`visible parameters cell: ${cell.textContent.replace(/\\s+/g, ' ').trim().slice(0, 60)}`);
+  return {problems, tables};
+}"""
+PARAMETERS_CELL = re.compile(r'class="cell tag_(injected-)?parameters docutils container"')
 
 
 # Runs in the claims ledger: where the first claim's cells sit against what can be seen without
@@ -113,8 +144,10 @@ def _need_chromium() -> None:
     pytest.skip(f"no Chromium at {CHROMIUM}; `make browser` installs Debian's chromium")
 
 
-def check_site(html: Path, screenshots: dict[str, Path] | None = None) -> dict[str, list[str]]:
-    """Load every page of `html` in headless Chromium; returns the problems found on each page."""
+def check_site(html: Path, screenshots: dict[str, Path] | None = None,
+               tables: dict[str, list[dict]] | None = None) -> dict[str, list[str]]:
+    """Load every page of `html` in headless Chromium at 1,280 px; returns the problems found on each page
+    (and fills `tables`, where given, with each page's tables: name, width and the room it has, in px)."""
     from playwright.sync_api import sync_playwright
 
     problems: dict[str, list[str]] = {}
@@ -136,10 +169,14 @@ def check_site(html: Path, screenshots: dict[str, Path] | None = None) -> dict[s
                 page.wait_for_url(f"{base}/{redirect.group(1)}")
                 continue
             found += page.evaluate(INSPECT_IMAGES)
+            if path in (screenshots or {}):  # as a reader first sees it, before the outputs are opened
+                page.screenshot(path=str(screenshots[path]))
+            layout = page.evaluate(INSPECT_LAYOUT)
+            found += layout["problems"]
+            if tables is not None:
+                tables[path] = layout["tables"]
             if found:
                 problems[path] = list(found)
-            if path in (screenshots or {}):
-                page.screenshot(path=str(screenshots[path]))
         browser.close()
     return problems
 
@@ -164,6 +201,51 @@ def test_the_check_catches_a_broken_page(tmp_path):
     assert "empty figure (one colour): flat.png" in text and "page error" in text
 
 
+def test_the_check_catches_a_table_wider_than_its_column_and_a_visible_parameters_cell(tmp_path):
+    """In a 600-px column: a table 900 px wide (also one inside a closed <details>, and one that scrolls in
+    its own box) and a visible parameters cell are reported; a table that wraps to fit, and a parameters cell
+    the page does not show, are not."""
+    _need_chromium()
+    wide = '<table><tr><th>wide</th><td style="white-space:nowrap">{}</td></tr></table>'.format("x" * 150)
+    fits = '<table><tr><th>fits</th><td>{}</td></tr></table>'.format("word " * 150)
+    page = '<html><body><article style="width:600px">{}</article></body></html>'
+    (tmp_path / "wide.html").write_text(page.format(
+        wide + f'<details><summary>output</summary>{wide}</details>'
+        f'<div style="overflow-x:auto">{wide}</div>'
+        '<div class="cell tag_injected-parameters docutils container"><pre>profile = "cpu"</pre></div>'))
+    (tmp_path / "fine.html").write_text(page.format(
+        fits + '<div class="cell tag_parameters docutils container" style="display:none">seed = 0</div>'))
+    tables: dict = {}
+    problems = check_site(tmp_path, tables=tables)
+    assert set(problems) == {"wide.html"}, problems
+    text = "\n".join(problems["wide.html"])
+    assert text.count('in a 600 px column: "wide"') == 3, text
+    assert 'visible parameters cell: profile = "cpu"' in text, text
+    assert [t["name"] for t in tables["fine.html"]] == ["fits"] and tables["fine.html"][0]["width"] <= 600
+
+
+def test_the_build_hides_parameters_cells_and_marks_break_points_in_table_code():
+    """Staging tags the chapter's and papermill's parameters cells `remove-cell` (keeping papermill's tags);
+    the built pages' table code gets a `<wbr>` after `.`, `_`, `=`, `,`, `(` and `/`, not inside a number,
+    nor outside tables or inside tags, and a second pass changes nothing."""
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("profile = 'auto'"),
+                                               nbformat.v4.new_code_cell("profile = 'cpu'"),
+                                               nbformat.v4.new_code_cell("x = 1")])
+    for cell, tags in zip(notebook.cells, (["parameters"], ["injected-parameters"], [])):
+        cell.metadata["tags"] = tags
+    tags = [cell.metadata["tags"] for cell in pipeline.hide_parameters(notebook).cells]
+    assert tags == [["parameters", "remove-cell"], ["injected-parameters", "remove-cell"], []]
+    page = ('<p><code>a.b</code></p><table><tr><td><code class="docutils literal notranslate">'
+            '<span class="pre">GRPOConfig(fp16=True,</span> <span class="pre">lr=1.5e-5)</span></code></td></tr></table>')
+    soft = pipeline.soften_table_code(page)
+    assert soft == ('<p><code>a.b</code></p><table><tr><td><code class="docutils literal notranslate">'
+                    '<span class="pre">GRPOConfig(<wbr>fp16=<wbr>True,<wbr></span> <span class="pre">lr=<wbr>1.5e-5)'
+                    '</span></code></td></tr></table>')
+    assert pipeline.soften_table_code(soft) == soft
+
+
 def test_every_page_of_the_book_loads_cleanly_in_chromium(built_book):
     _need_chromium()
     html = built_book
@@ -171,10 +253,15 @@ def test_every_page_of_the_book_loads_cleanly_in_chromium(built_book):
     assert {LANDING, "appendix/claims_ledger.html", SCREENSHOT_CHAPTER} <= set(pages), pages
     shots = pipeline.BUILD / "screenshots"
     shots.mkdir(exist_ok=True)
+    tables: dict = {}
     problems = check_site(html, {LANDING: shots / "landing.png",
-                                 SCREENSHOT_CHAPTER: shots / f"{Path(SCREENSHOT_CHAPTER).stem}.png"})
+                                 SCREENSHOT_CHAPTER: shots / f"{Path(SCREENSHOT_CHAPTER).stem}.png"}, tables)
+    (shots / "tables-1280.json").write_text(json.dumps(tables, indent=1))  # each page's widths, for a reader
     assert not problems, "\n".join(f"{page}: {p}" for page, ps in problems.items() for p in ps)
     assert (shots / "landing.png").stat().st_size > 10_000
+    assert sum(map(len, tables.values())) > 50, tables  # the check saw the book's tables
+    shown = [path for path in pages if PARAMETERS_CELL.search((html / path).read_text())]
+    assert not shown, f"pages with a parameters cell: {shown}"
 
 
 def test_with_a_repository_every_chapter_has_a_working_colab_button(tmp_path, built_book):
