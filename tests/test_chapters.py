@@ -447,6 +447,26 @@ def test_claims_ledger_judges_every_claim_from_this_builds_results():
     assert all(claim.chapter in toc for claim in ledger.CLAIMS)
 
 
+def test_verdicts_and_findings_read_the_real_model_where_it_was_measured(tmp_path, monkeypatch):
+    """A ledger verdict or a findings row that reads a toy metric must read the real model's beside it, where the
+    chapter records one for the same quantity."""
+    from bookbuild import findings, ledger, quantities
+    from labutils.results import load_all
+
+    runs = load_all(pipeline.ROOT / "_build" / "results")
+    ledger_reads = {f"{claim.chapter}:{key}" for claim in ledger.CLAIMS for key in claim.keys}
+    assert not quantities.toy_in_place_of_real(ledger_reads, runs)
+    page_reads, metric = set(), findings._metric
+
+    def recording(runs_):
+        read = metric(runs_)
+        return lambda ref: (page_reads.add(ref), read(ref))[1]
+
+    monkeypatch.setattr(findings, "_metric", recording)
+    findings.page(pipeline.ROOT, tmp_path)
+    assert page_reads and not quantities.toy_in_place_of_real(page_reads, runs)
+
+
 def test_the_findings_page_reads_every_number_it_quotes_from_this_build(tmp_path):
     """Every piece of evidence and every set-up on the findings page finds its metric in this build's results."""
     from bookbuild import findings
