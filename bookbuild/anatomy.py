@@ -2,8 +2,9 @@
 
     python -m bookbuild.anatomy        # one line per chapter
 
-Visible code is code in cells not tagged `remove-input`, `remove-cell`, `hide-input` or `hide-cell`, comments
-and blank lines left out. A visible line is *bookkeeping* when it glues or records a result or formats text
+Visible code is code in cells not tagged `remove-input`, `remove-cell`, `hide-input`, `hide-cell` or
+`parameters` (the build removes parameters cells from the page), comments and blank lines left out; the
+widest line counts comments too, as the code box shows them. A visible line is *bookkeeping* when it glues or records a result or formats text
 or a table: `glue(`, `.record(`, `display=False`, `.format(`, a format spec such as `:.2g`, an f-string,
 `.map(`, `pd.DataFrame(` or `pd.Series(`. The experiment (engines, sampling, scoring, training, plots) is
 what should remain visible. Prose words are the words outside code cells and directive options, a glued
@@ -19,7 +20,7 @@ from .layout import ROOT, chapters
 
 BOOKKEEPING = re.compile(r"\bglue\(|\.record\(|display=False|\.format\(|:\.\d+[gfe%]|f\"|f'|\.map\(|"
                          r"pd\.DataFrame\(|pd\.Series\(")
-HIDDEN = re.compile(r"remove-input|remove-cell|hide-input|hide-cell")
+HIDDEN = re.compile(r"remove-input|remove-cell|hide-input|hide-cell|parameters")
 WORDS_AT_MOST, BOOKKEEPING_AT_MOST, WIDTH_AT_MOST = 2500, 0.05, 100
 
 
@@ -54,10 +55,11 @@ def measure(source: str) -> Anatomy:
         if in_cell and line.startswith("```"):
             in_cell = False
         elif in_cell:
-            if not hidden and line.strip() and not line.strip().startswith("#"):
-                code += 1
-                bookkeeping += bool(BOOKKEEPING.search(line))
+            if not hidden and line.strip():
                 widest = max(widest, len(line))
+                if not line.strip().startswith("#"):
+                    code += 1
+                    bookkeeping += bool(BOOKKEEPING.search(line))
         elif not line.startswith(("```", ":", "+++")):
             words += len(re.findall(r"[A-Za-z][A-Za-z'’-]*", re.sub(r"\{[a-z:]+\}`[^`]*`", " X ", line)))
         i += 1
