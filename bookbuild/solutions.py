@@ -7,6 +7,7 @@ with the glued numbers of that chapter's executed notebook filled in, on the tea
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import nbformat
 from myst_nb.core.variables import format_plain_text
@@ -52,16 +53,23 @@ def fill(text: str, values: dict[str, str]) -> str:
     return DOC.sub(lambda m: f"{{doc}}`../chapters/{m.group(1)}`", GLUE.sub(value, text))
 
 
-def page(chapters: list[tuple[str, str, list[str], dict[str, str]]]) -> str:
-    """The teacher's page from (stem, title, solutions blocks, glued values) per chapter."""
+def page(chapters: list[tuple[str, str, list[str], dict[str, str]]], root: Path | None = None) -> str:
+    """The teacher's page from (stem, title, solutions blocks, glued values) per chapter, after the workshop's
+    teaching notes read from the results under `root` (the book's by default)."""
+    from . import workshop
+    from .layout import ROOT
+
     lines = ["# Solutions, for teachers", "",
-             "The exercises' solutions, out of the participants' pages. Each quotes the numbers its chapter measured "
-             "in this build; a participant's own run (another seed, another machine) draws other numbers, and "
-             "the reasoning, not the digits, is what should match.", ""]
+             "The workshop's teaching notes, then the exercises' solutions, out of the participants' pages. Each "
+             "solution quotes the numbers its chapter measured in this build; a participant's own run (another "
+             "seed, another machine) draws other numbers, and the reasoning, not the digits, is what should "
+             "match.", ""]
+    lines += workshop.teachers(root or ROOT)
+    lines += ["## Solutions", ""]
     for stem, title, blocks, values in chapters:
         if not blocks:
             continue
-        lines += [f"## {title}", "", f"Exercises of {{doc}}`../chapters/{stem}`.", ""]
+        lines += [f"### {title}", "", f"Exercises of {{doc}}`../chapters/{stem}`.", ""]
         lines += [fill(block, values) + "\n" for block in blocks]
     return "\n".join(lines)
 
