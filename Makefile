@@ -107,13 +107,15 @@ wheels: $(STAMP)
 	$(PY) -m bookbuild.wheels --python $(PYVER) --dest $(WHEELS)
 
 # On that CUDA machine, with its own Python and torch and the wheel folder brought along: every chapter in
-# the trimmed gpu profile, sized for a six-minute run on one H200 (`--budget` stops it in time), results
-# with provenance in results/gpu/.
+# the trimmed gpu profile, each in its own time slice (`python -m bookbuild.gpu_check plan`: 300 s in all on
+# one H100; STRETCH=2 doubles every slice on a slower GPU), every process a chapter started ended when its
+# slice ends, results with provenance in results/gpu/.
 GPU_PYTHON ?= python3
 GPU_SITE ?= /tmp/precision-lab-site
+STRETCH ?= 1
 gpu-check:
 	$(GPU_PYTHON) -m bookbuild.gpu_check install --wheels $(WHEELS) --target $(GPU_SITE)
-	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) -m bookbuild.gpu_check run
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) -m bookbuild.gpu_check run --stretch $(STRETCH)
 
 clean:
 	rm -rf _build

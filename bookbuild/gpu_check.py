@@ -1,15 +1,20 @@
 """The GPU check: every chapter in the trimmed gpu profile on a CUDA machine without network.
 
+    python -m bookbuild.gpu_check plan     # per chapter: its time slice and trimmed sizes, and the total
+    python -m bookbuild.gpu_check expect   # per chapter: GPU and host memory, computed from the sizes it uses
     python -m bookbuild.gpu_check install [--wheels .whl] [--target /tmp/precision-lab-site]
-    python -m bookbuild.gpu_check expect   # per chapter: computed memory estimate, L4/A100 fit, GPU seconds if run
-    PYTHONPATH=/tmp/precision-lab-site:. python -m bookbuild.gpu_check run [STEM ...] [--budget 330]
-    make gpu-check        # both, with that machine's own Python and torch
+    PYTHONPATH=/tmp/precision-lab-site:. python -m bookbuild.gpu_check run [STEM ...] [--stretch 1.0]
+    make gpu-check        # install and run, with that machine's own Python and torch
 
 `install` needs only the standard library: it runs before the book's libraries exist. It installs
 from the wheel folder (`make wheels`) what the machine lacks, plus the libraries whose versions
 the chapters are about, and checks that the rest imports, before any chapter runs. `run` executes
-each chapter with papermill, writes `results/gpu/<chapter>.json` with provenance for each chapter
-that completed, prints its seconds, and estimates what the untrimmed gpu profile would take.
+each chapter with papermill inside its own time slice (SLICES): a slow chapter cannot take time
+from the others, and when a slice ends every process the chapter started is ended, forked runners
+and `accelerate launch` workers in sessions of their own included (a supervisor per slice is their
+subreaper, and each carries the slice's mark in its environment). It writes
+`results/gpu/<chapter>.json` with provenance for each chapter that completed, prints its seconds,
+and estimates what the untrimmed gpu profile would take.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +37,210 @@ OUT = ROOT / "results" / "gpu"
 TARGET = "/tmp/precision-lab-site"
 NEEDED = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", "papermill", "jupytext",
           "ipykernel", "myst_nb.ext.glue", "pandas", "scipy", "matplotlib", "datasets")
+
+
+# Each chapter's time slice (seconds of wall time on one GPU, kernel start included) and its sizes on top of
+# `profiles.gpu_trimmed`: the gpu profile's models, groups and lengths, with the cpu build's counts and steps
+# where the gpu profile's would not fit the slice. The lab models' shapes and warm-up are the same for every
+# chapter, so chapter 0 builds them once and the others find them in the lab cache.
+TOTAL_S = 300  # all fourteen slices together: a 15-minute GPU lease, start-up and install included
+SLICES: dict[str, tuple[int, dict]] = {
+    "00_lab": (35, {"task": {"eval_problems": 256, "length_problems": 16}}),
+    "01_number_formats": (12, {}),
+    "02_qlora_crash": (40, {"grpo": {"steps": 2}, "real": {"fix_steps": 1, "fix_batch": 4, "fix_completion": 24}}),
+    "03_loss_scaling": (15, {"scaler_steps": 40}),
+    "04_mismatch": (25, {"mismatch": {"sequences": 64, "max_len": 1000, "micro_batch": 16}}),
+    "04b_real_mismatch": (20, {"real": {"sequences": (("bf16", 8), ("fp16", 8), ("fp32", 4)), "length": 256,
+                                        "short_length": 256, "exact_sequences": 4, "sample_batch": 8,
+                                        "probe_sequences": 4, "probe_length": 64, "speed_batch": 8,
+                                        "speed_length": 32}}),
+    "05_grpo_precision": (28, {"rl": {"steps": 4}, "task": {"eval_problems": 128},
+                               "real_rl": {"steps": 1, "prompts_per_step": 1, "group": 2, "max_new_tokens": 12,
+                                           "eval_problems": 4, "eval_every": 1, "seeds": 1, "probe_sequences": 0}}),
+    "05b_sampler_precision": (24, {"sampler_rl": {"steps": 4}, "task": {"eval_problems": 128},
+                                   "sampler": {"dial_sequences": 4, "dial_length": 256, "bias_prompts": 8,
+                                               "bias_batches": 4, "seeds": 2, "eval_problems": 64, "eval_every": 2},
+                                   "real": {"dial_sequences": 4, "dial_length": 32}}),
+    "06_moe": (25, {"rl": {"steps": 4}, "routing": {"sequences": 56, "max_len": 500},
+                    "mismatch": {"sequences": 64, "max_len": 500, "micro_batch": 16}}),
+    "07_lora": (25, {"grpo": {"steps": 4}, "real": {"probe_sequences": 4, "probe_length": 64}}),
+    "08_sensitive_ops": (10, {"task": {"eval_problems": 64}}),
+    "09_fp8": (10, {}),
+    "10_scaling_out": (18, {"rl": {"steps": 4}}),
+    "11_troubleshooting": (12, {}),
+}
+# the profile fields each chapter reads (its own cells and the labutils calls it makes), for `plan`
+READS = {"00_lab": ("task.",), "02_qlora_crash": ("grpo.", "real.fix"), "03_loss_scaling": ("scaler_steps",),
+         "04_mismatch": ("mismatch.",), "04b_real_mismatch": ("real.",),
+         "05_grpo_precision": ("rl.", "real_rl.", "task.eval"), "05b_sampler_precision": ("sampler", "real.dial", "task.eval"),
+         "06_moe": ("rl.", "routing.", "mismatch."), "07_lora": ("grpo.", "real.probe"), "08_sensitive_ops": ("task.",),
+         "10_scaling_out": ("rl.",)}
+CHAPTER = "LAB_GPU_CHECK_CHAPTER"  # names the chapter whose sizes `trimmed` gives, in every process of its slice
+SLICE_MARK = "LAB_GPU_CHECK_SLICE"  # in the environment of every process a slice starts, to find them all
+
+
+def _apply(obj, changes: dict):
+    """`obj` (a frozen dataclass) with `changes` applied, nested dicts reaching into nested dataclasses."""
+    return dataclasses.replace(obj, **{key: _apply(getattr(obj, key), value) if isinstance(value, dict) else value
+                                       for key, value in changes.items()})
+
+
+def trimmed(stem: str, gpu=None, base=None):
+    """The profile `make gpu-check` runs chapter `stem` with: `profiles.gpu_trimmed` and the chapter's SLICES sizes."""
+    from labutils import profiles
+
+    gpu = gpu or profiles.PROFILES["gpu"]
+    return _apply((base or profiles.gpu_trimmed)(gpu), SLICES[stem][1])
+
+
+# Written into each run's folder and put first on PYTHONPATH: every Python process of a slice (papermill, the
+# kernel, forked runners, accelerate's workers) resolves the gpu profile to its chapter's trimmed sizes.
+SITECUSTOMIZE = f"""\
+import os
+if os.environ.get("{CHAPTER}") and os.environ.get("LAB_GPU_TRIMMED") == "1":
+    try:
+        from labutils import profiles as _profiles
+        from bookbuild import gpu_check as _gpu_check
+    except ImportError:
+        pass
+    else:
+        _base = _profiles.gpu_trimmed
+        _profiles.gpu_trimmed = lambda gpu: _gpu_check.trimmed(os.environ["{CHAPTER}"], gpu, base=_base)
+"""
+
+
+def plan_rows() -> list[dict]:
+    """Per chapter: its slice and the trimmed sizes it differs from the untrimmed gpu profile by."""
+    from labutils import profiles
+
+    full = profiles.PROFILES["gpu"]
+
+    def differences(a, b, prefix=""):
+        out = {}
+        for field in dataclasses.fields(a):
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            if dataclasses.is_dataclass(x):
+                out.update(differences(x, y, f"{prefix}{field.name}."))
+            elif x != y:
+                out[prefix + field.name] = y
+        return out
+
+    return [{"chapter": stem, "slice_s": seconds, "sizes": differences(full, trimmed(stem, full))}
+            for stem, (seconds, _) in SLICES.items()]
+
+
+def print_plan() -> None:
+    rows = plan_rows()
+    for row in rows:
+        reads = READS.get(row["chapter"], ())
+        sizes = ", ".join(f"{key}={value}" for key, value in row["sizes"].items() if reads and key.startswith(reads))
+        print(f"{row['chapter']:<24}{row['slice_s']:>5} s  {sizes or 'sizes of the gpu profile (no loop to trim)'}")
+    shared = {k: v for k, v in rows[0]["sizes"].items() if k.startswith(("warmup.", "moe_warmup."))}
+    print(f"every chapter: {', '.join(f'{k}={v}' for k, v in shared.items())} (the lab models, built once by 00_lab)")
+    print(f"total {sum(row['slice_s'] for row in rows)} s of chapter time for {len(rows)} chapters "
+          f"(limit {TOTAL_S} s)")
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """{pid: (parent pid, state)} of every process Linux shows in /proc."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:  # it ended while we looked
+                continue
+            found[int(entry.name)] = (int(fields[1]), fields[0])
+    return found
+
+
+def _marked(mark: str) -> set[int]:
+    """Processes whose environment carries SLICE_MARK=`mark`, whoever their parent is now."""
+    needle, found = f"{SLICE_MARK}={mark}".encode(), set()
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                    if needle in fh.read().split(b"\0"):
+                        found.add(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _reap() -> None:
+    """Collect the exit status of every ended child (orphans adopted by this subreaper included)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def end_slice(mark: str) -> list[int]:
+    """End every process below this one and every process marked `mark`: stopped first, so that none forks a
+    new one between the look and the kill, then killed; repeated until none is left. Returns their pids."""
+    me, ended = os.getpid(), set()
+    for _ in range(100):
+        table = _processes()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, state) in table.items():
+            if state not in "ZX":
+                children.setdefault(parent, []).append(pid)
+        below, todo = set(), list(children.get(me, []))
+        while todo:
+            pid = todo.pop()
+            below.add(pid)
+            todo.extend(children.get(pid, []))
+        live = {pid for pid in below | _marked(mark) if pid != me and table.get(pid, (0, "Z"))[1] not in "ZX"}
+        if not live:
+            break
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in live:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        ended |= live
+        time.sleep(0.05)
+        _reap()
+    _reap()
+    return sorted(ended)
+
+
+def supervise(command: list[str], seconds: float, log: str) -> dict:
+    """Run `command` for at most `seconds` as the subreaper of everything it starts, then end all of it."""
+    import ctypes
+
+    try:  # PR_SET_CHILD_SUBREAPER: orphans of this slice, in whatever session, become this process's children
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the environment mark still finds them
+    mark = os.environ[SLICE_MARK] = f"{os.getpid()}-{time.time_ns()}"
+    start = time.perf_counter()
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode, overran = process.wait(timeout=seconds), False
+        except subprocess.TimeoutExpired:
+            returncode, overran = None, True
+    elapsed = time.perf_counter() - start
+    ended = end_slice(mark)  # after a normal exit too: a runner or server the chapter left behind
+    return {"seconds": round(elapsed, 2), "returncode": returncode, "overran": overran, "ended": ended}
+
+
+def run_slice(command: list[str], seconds: float, log: Path, env: dict | None = None, cwd: Path | None = None) -> dict:
+    """`command` in a time slice of its own, under a supervisor process (`supervise`); what it reported."""
+    done = subprocess.run([sys.executable, "-m", "bookbuild.gpu_check", "slice", "--seconds", str(seconds),
+                           "--log", str(log), "--", *command], env={k: v for k, v in (env or os.environ).items() if k != SLICE_MARK},
+                          cwd=cwd or ROOT, capture_output=True, text=True, timeout=seconds + 120)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"the slice supervisor failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def install(wheels: Path, target: str) -> None:
@@ -166,8 +376,8 @@ def provenance(trimmed) -> dict:
             "trimmed": True, "parameters": dataclasses.asdict(trimmed)}
 
 
-def _execute(stem: str, work: Path, timeout: float) -> tuple[float, str]:
-    """Run one chapter with papermill in its own process; (seconds, "" or what went wrong)."""
+def _execute(stem: str, work: Path, seconds: float, env: dict | None = None) -> tuple[float, str]:
+    """Run one chapter with papermill in its own time slice; (seconds, "" or what went wrong)."""
     import jupytext
 
     from . import pipeline
@@ -176,24 +386,21 @@ def _execute(stem: str, work: Path, timeout: float) -> tuple[float, str]:
     notebook = jupytext.read(ROOT / "chapters" / f"{stem}.md")
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     jupytext.write(notebook, plain)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run([sys.executable, "-m", "papermill", "--no-progress-bar", str(plain), str(executed),
-                               "-p", "profile", "gpu", "--cwd", str(ROOT)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return time.perf_counter() - start, f"stopped after {timeout:.0f} s"
-    seconds = time.perf_counter() - start
+    log = work / f"{stem}.log"
+    done = run_slice([sys.executable, "-m", "papermill", "--no-progress-bar", str(plain), str(executed),
+                      "-p", "profile", "gpu", "--cwd", str(ROOT)], seconds, log, env={**(env or os.environ), CHAPTER: stem})
+    if done["overran"]:
+        return done["seconds"], f"stopped after its {seconds:.0f} s slice ({len(done['ended'])} processes ended)"
     if not executed.is_file():  # papermill stopped before the notebook ran: no kernel, an import error, memory
-        last = [line for line in done.stderr.splitlines() if line.strip()]
-        return seconds, last[-1] if last else f"papermill exited with {done.returncode} and wrote no notebook"
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        return done["seconds"], last[-1] if last else f"papermill exited with {done['returncode']} and wrote no notebook"
     try:
-        if done.returncode:
+        if done["returncode"]:
             pipeline._accept_expected_errors(executed)
         pipeline._check_required_errors(executed, "cuda")
     except pipeline.ChapterError as err:
-        return seconds, (str(err) or type(err).__name__).splitlines()[0]
-    return seconds, ""
+        return done["seconds"], (str(err) or type(err).__name__).splitlines()[0]
+    return done["seconds"], ""
 
 
 def engines_agree(device: str) -> float:
@@ -222,12 +429,43 @@ def engines_agree(device: str) -> float:
     return float((scored.logprobs - out.logprobs)[out.mask].abs().max())
 
 
-def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
-    """Execute `stems` (all chapters by default) within `budget` seconds; returns {stem: outcome}."""
+def run_chapters(stems: list[str], work: Path, out: Path, record: dict, stretch: float = 1.0,
+                 execute=None) -> dict:
+    """Each chapter in its own slice (SLICES × `stretch`), one after the other; {stem: outcome}. A chapter's
+    results file goes to `out` with `record` as its provenance only if the chapter completed."""
+    from labutils import profiles
+
+    execute = execute or _execute
+    site = work / "site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, profiles.GPU_TRIMMED: "1", "LAB_RESULTS_DIR": str(work / "results"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))}
+    full, outcomes = profiles.PROFILES["gpu"], {}
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{'chapter':<24}{'slice':>7}{'seconds':>9}{'untrimmed est.':>16}  outcome")
+    for stem in stems:
+        slice_s = SLICES[stem][0] * stretch
+        seconds, problem = execute(stem, work, slice_s, env)
+        produced = work / "results" / f"{stem}.json"
+        scale = _scale(stem, full, trimmed(stem, full))
+        if not problem and produced.is_file():
+            data = json.loads(produced.read_text())
+            data["provenance"] = {**record, "seconds": round(seconds, 1), "slice_s": slice_s,
+                                  "parameters": dataclasses.asdict(trimmed(stem, full)),
+                                  "untrimmed_estimate_s": round(seconds * scale)}
+            (out / f"{stem}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+        outcomes[stem] = problem or ("completed" if produced.is_file() else "no results file written")
+        estimate = f"{seconds * scale:.0f}" if not problem else "-"
+        print(f"{stem:<24}{slice_s:>7.0f}{seconds:>9.1f}{estimate:>16}  {outcomes[stem]}", flush=True)
+    return outcomes
+
+
+def run(stems: list[str], stretch: float = 1.0, out: Path = OUT) -> dict:
+    """Execute `stems` (all chapters by default), each in its slice; returns {stem: outcome}."""
     import torch
 
     from labutils import profiles
-    from . import pipeline
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check run needs a CUDA GPU, and torch sees none here.")
@@ -235,31 +473,11 @@ def run(stems: list[str], budget: float, out: Path = OUT) -> dict:
     if gap > 1e-3:
         raise SystemExit(f"sampling and rescoring the same fp32 weights disagree by {gap:.2g} nats with this "
                          f"transformers; its KV cache is not being used as the engines expect.")
-    os.environ[profiles.GPU_TRIMMED] = "1"
-    full, trimmed = profiles.PROFILES["gpu"], profiles.gpu_trimmed(profiles.PROFILES["gpu"])
-    record = provenance(trimmed)
+    record = provenance(profiles.gpu_trimmed(profiles.PROFILES["gpu"]))
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    os.environ["LAB_RESULTS_DIR"] = str(work / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    began, outcomes = time.perf_counter(), {}
+    began = time.perf_counter()
     print(f"{record['gpu']} (capability {record['capability']}, driver {record['driver']}, CUDA {record['cuda']})")
-    print(f"{'chapter':<24}{'seconds':>9}{'untrimmed est.':>16}  outcome")
-    for stem in stems or pipeline.chapters():
-        left = budget - (time.perf_counter() - began)
-        if left < 10:
-            outcomes[stem] = "not run: the budget was spent"
-            print(f"{stem:<24}{'-':>9}{'-':>16}  {outcomes[stem]}")
-            continue
-        seconds, problem = _execute(stem, work, timeout=left)
-        produced = work / "results" / f"{stem}.json"
-        if not problem and produced.is_file():
-            data = json.loads(produced.read_text())
-            data["provenance"] = {**record, "seconds": round(seconds, 1),
-                                  "untrimmed_estimate_s": round(seconds * _scale(stem, full, trimmed))}
-            (out / f"{stem}.json").write_text(json.dumps(data, indent=1, sort_keys=True))
-        outcomes[stem] = problem or ("completed" if produced.is_file() else "no results file written")
-        estimate = f"{seconds * _scale(stem, full, trimmed):.0f}" if not problem else "-"
-        print(f"{stem:<24}{seconds:>9.1f}{estimate:>16}  {outcomes[stem]}", flush=True)
+    outcomes = run_chapters(list(stems or SLICES), work, out, record, stretch)
     print(f"total {time.perf_counter() - began:.0f} s; results of completed chapters in {out}")
     shutil.rmtree(work, ignore_errors=True)
     return outcomes
@@ -283,21 +501,40 @@ def expectations(root: Path = ROOT) -> list[dict]:
     return rows
 
 
+def print_expectations() -> None:
+    for row in expectations():
+        print("  ".join(f"{k}: {v}" for k, v in row.items()))
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["slice"]:  # the supervisor of one slice: slice --seconds S --log FILE -- COMMAND...
+        split = argv.index("--")
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--seconds", type=float, required=True)
+        parser.add_argument("--log", required=True)
+        args = parser.parse_args(argv[1:split])
+        print(json.dumps(supervise(argv[split + 1:], args.seconds, args.log)), flush=True)
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("command", choices=("install", "run", "expect"))
+    parser.add_argument("command", choices=("plan", "install", "run", "expect"))
     parser.add_argument("stems", nargs="*", help="chapters to run (default: all)")
     parser.add_argument("--wheels", default=str(ROOT / ".whl"), type=Path)
     parser.add_argument("--target", default=TARGET)
-    parser.add_argument("--budget", default=330.0, type=float, help="seconds for all chapters together")
+    parser.add_argument("--stretch", default=1.0, type=float,
+                        help="every slice times this (a slower GPU than the H100 they were sized for)")
     args = parser.parse_args(argv)
-    if args.command == "install":
+    if args.command == "plan":
+        print_plan()
+    elif args.command == "install":
         install(args.wheels, args.target)
     elif args.command == "expect":
-        for row in expectations():
-            print("  ".join(f"{k}: {v}" for k, v in row.items()))
+        print_expectations()
     else:
-        run(args.stems, args.budget)
+        unknown = sorted(set(args.stems) - set(SLICES))
+        if unknown:
+            raise SystemExit(f"no chapter {', '.join(unknown)}; choose among {', '.join(SLICES)}")
+        run(args.stems, args.stretch)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """`make wheels` and `make gpu-check`'s install path, checked where there is no GPU."""
 import dataclasses
+import json
+import os
 import subprocess
 import sys
 
@@ -45,7 +47,96 @@ def test_install_says_where_the_wheels_come_from(tmp_path):
 
 def test_run_refuses_a_machine_without_cuda():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        gpu_check.run(["01_number_formats"], budget=10)
+        gpu_check.run(["01_number_formats"])
+
+
+def test_the_plan_gives_every_chapter_a_slice_within_the_total(capsys):
+    assert list(gpu_check.SLICES) == pipeline.chapters()
+    assert sum(seconds for seconds, _ in gpu_check.SLICES.values()) <= gpu_check.TOTAL_S <= 300
+    gpu = profiles.PROFILES["gpu"]
+    for stem in gpu_check.SLICES:  # the lab models chapter 0 builds are the ones every other chapter finds
+        chosen = gpu_check.trimmed(stem, gpu)
+        assert (chosen.dense, chosen.moe, chosen.warmup, chosen.moe_warmup, chosen.device) == (
+            gpu.dense, gpu.moe, profiles.gpu_trimmed(gpu).warmup, profiles.gpu_trimmed(gpu).moe_warmup, "cuda")
+    assert gpu_check.trimmed("04_mismatch", gpu).mismatch.sequences < profiles.gpu_trimmed(gpu).mismatch.sequences
+    gpu_check.main(["plan"])
+    printed = capsys.readouterr().out
+    assert all(stem in printed for stem in pipeline.chapters()) and "mismatch.sequences=64" in printed
+    assert f"total {sum(s for s, _ in gpu_check.SLICES.values())} s" in printed
+
+
+def test_every_process_of_a_slice_resolves_its_chapters_sizes(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(gpu_check.SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(pipeline.ROOT)]),
+           profiles.GPU_TRIMMED: "1", gpu_check.CHAPTER: "04_mismatch"}
+    probe = "from labutils import profiles; print(profiles.gpu_trimmed(profiles.PROFILES['gpu']).mismatch.sequences)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert int(done.stdout) == gpu_check.trimmed("04_mismatch").mismatch.sequences
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+# A stand-in for a chapter whose forked runner outlives it: a child in a session of its own (as
+# `measure.forked_runs` and jupyter's kernels start them), a grandchild whose parent has exited, and a sleep.
+RUNAWAY = """
+import os, subprocess, sys, time
+pids = sys.argv[1]
+child = subprocess.Popen(["sleep", "300"], start_new_session=True)
+if os.fork() == 0:  # an orphan: its parent exits at once
+    grand = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    open(pids + ".orphan", "w").write(str(grand.pid))
+    os._exit(0)
+open(pids, "w").write(str(child.pid))
+time.sleep(300)
+"""
+
+
+def test_a_slice_that_overruns_is_ended_with_its_children(tmp_path):
+    script = tmp_path / "runaway.py"
+    script.write_text(RUNAWAY)
+    pids = tmp_path / "pids"
+    done = gpu_check.run_slice([sys.executable, str(script), str(pids)], 2.0, tmp_path / "log")
+    assert done["overran"] and done["returncode"] is None and done["seconds"] < 10
+    started = [int(pids.read_text()), int((tmp_path / "pids.orphan").read_text())]
+    assert set(started) <= set(done["ended"])
+    assert not any(_alive(pid) for pid in started + done["ended"])
+
+
+def test_a_slice_that_finishes_ends_what_it_left_behind(tmp_path):
+    left = tmp_path / "left"
+    command = [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen(['sleep', '300'], "
+               f"start_new_session=True); open({str(left)!r}, 'w').write(str(p.pid))"]
+    done = gpu_check.run_slice(command, 30.0, tmp_path / "log")
+    assert not done["overran"] and done["returncode"] == 0 and done["seconds"] < 10
+    assert int(left.read_text()) in done["ended"] and not _alive(int(left.read_text()))
+
+
+def test_the_next_chapter_runs_after_one_overruns_and_only_completed_ones_are_written(tmp_path):
+    def fake(stem, work, seconds, env):
+        """01 sleeps past its slice; 09 writes its results file at once."""
+        code = ("import time; time.sleep(300)" if stem == "01_number_formats" else
+                "import json, os, pathlib; d = pathlib.Path(os.environ['LAB_RESULTS_DIR']); d.mkdir(exist_ok=True);"
+                f"(d / '{stem}.json').write_text(json.dumps({{'chapter': '{stem}', 'metrics': {{}}}}))")
+        done = gpu_check.run_slice([sys.executable, "-c", code], seconds, work / f"{stem}.log", env=env)
+        return done["seconds"], "stopped after its slice" if done["overran"] else ""
+
+    out = tmp_path / "gpu"
+    record = {"gpu": "a stand-in", "trimmed": True}
+    outcomes = gpu_check.run_chapters(["01_number_formats", "09_fp8"], tmp_path / "work", out, record,
+                                      stretch=0.1, execute=fake)
+    assert outcomes == {"01_number_formats": "stopped after its slice", "09_fp8": "completed"}
+    assert [p.name for p in out.iterdir()] == ["09_fp8.json"]
+    written = json.loads((out / "09_fp8.json").read_text())["provenance"]
+    assert written["gpu"] == "a stand-in" and written["slice_s"] == pytest.approx(gpu_check.SLICES["09_fp8"][0] * 0.1)
+    assert written["parameters"]["name"] == "gpu" and written["seconds"] < written["slice_s"] + 1
 
 
 def test_the_trimmed_profile_keeps_the_gpu_sizes_and_does_less():
@@ -63,11 +154,11 @@ def test_the_trimmed_profile_keeps_the_gpu_sizes_and_does_less():
 def test_a_chapter_executes_the_way_gpu_check_runs_it(tmp_path, monkeypatch):
     monkeypatch.setenv(profiles.GPU_PATHS_ON_CPU, "1")  # the gpu profile, on this CPU
     monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "results"))
-    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, timeout=300)
+    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, 300)
     assert problem == "" and seconds > 0
     assert (tmp_path / "results" / "01_number_formats.json").is_file()
-    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, timeout=1)
-    assert problem == "stopped after 1 s"
+    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, 1)
+    assert problem.startswith("stopped after its 1 s slice")
 
 
 def test_the_engines_agree_with_the_cache_used_and_not_without_it(monkeypatch):
