@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from labutils.results import load_all
-from . import ledger
+from . import ledger, quantities
 from .status import table
 
 SHOWN, MECHANISM, NOT_SHOWN, INCONCLUSIVE = ("shown here", "mechanism only", "not shown (needs a GPU)",
@@ -51,30 +51,17 @@ class ToyWhereReal(Exception):
     """The page read a toy metric where the chapter records a real-model one for the same quantity."""
 
 
-# toy metrics whose real-model counterpart has another name (`chapter:key` -> `chapter:key`); a toy key whose
-# counterpart is the same key under `real.` in the same chapter needs no entry
-REAL_FOR_TOY = {
-    "04_mismatch:grid.bf16_bf16.token_kl": "04b_real_mismatch:real.token_kl.bf16",
-    "04_mismatch:grid.fp16_fp16.token_kl": "04b_real_mismatch:real.token_kl.fp16",
-    "04_mismatch:grid.bf16_fp32.token_kl": "04b_real_mismatch:real.token_kl.bf16_train_fp32_infer",
-    "05_grpo_precision:combo.bf16_bf16.mean_kl": "05_grpo_precision:real.rl.long.bf16_bf16.probe_kl_start",
-    "05_grpo_precision:combo.fp16_fp16.mean_kl": "05_grpo_precision:real.rl.long.fp16_fp16.probe_kl_start",
-    "07_lora:serving.token_kl.bf16.unmerged_bf16": "07_lora:real.serving.token_kl.unmerged_bf16",
-    "07_lora:serving.token_kl.bf16.merged": "07_lora:real.serving.token_kl.merged",
-}
+# a toy metric's real-model counterpart: the same key under `real.`, or one of another name (quantities.REAL_OF)
+real_counterpart = quantities.real_counterpart
 
 
-def real_counterpart(ref: str, runs: dict) -> str | None:
-    """The real-model metric this build records for the same quantity as the toy metric `ref`, if any."""
-    chapter, key = ref.split(":", 1)
-    if key.startswith("real."):
-        return None
-    candidates = [f"{chapter}:real.{key}"] + ([REAL_FOR_TOY[ref]] if ref in REAL_FOR_TOY else [])
-    for candidate in candidates:
-        other, other_key = candidate.split(":", 1)
-        if other_key in runs.get(other, {}).get("metrics", {}):
-            return candidate
-    return None
+def _metric(runs: dict):
+    """A reader of `chapter:key` from this build's results (KeyError where the chapter or key is missing)."""
+    def read(ref: str):
+        chapter, key = ref.split(":", 1)
+        value = runs[chapter]["metrics"][key]
+        return float(value) if value in ("nan", "inf", "-inf") else value
+    return read
 
 
 class Reader:
@@ -85,11 +72,7 @@ class Reader:
 
     def __init__(self, runs: dict):
         self.runs, self.read, self.read_toy = runs, set(), set()
-
-    def _value(self, ref: str):
-        chapter, key = ref.split(":", 1)
-        value = self.runs[chapter]["metrics"][key]
-        return float(value) if value in ("nan", "inf", "-inf") else value
+        self._value, self._toy_value = _metric(runs), _metric(runs)
 
     def __call__(self, ref: str):
         real = real_counterpart(ref, self.runs)
@@ -102,7 +85,7 @@ class Reader:
     def toy(self, ref: str):
         """A toy number, for showing beside the real one with a 'toy' label."""
         self.read_toy.add(ref)
-        return self._value(ref)
+        return self._toy_value(ref)
 
     def has(self, ref: str) -> bool:
         chapter, key = ref.split(":", 1)
@@ -221,7 +204,7 @@ def _bf16_do(c: Context) -> str:
     return (f"{size} {growth} Two remedies are proposed by others: {PAPER_SHORT} run both engines in fp16, with "
             f"a dynamic loss scaler and fp32 master weights; {TIS} keeps bf16 and reweights each token by π/μ. "
             f"This book's own test of such a correction is *{restores}* (link 4 below). Log the mismatch "
-            "either way (What to watch in your logs).")
+            "either way ({ref}`what to watch in your logs <findings-logs>`).")
 
 
 def _merge_ratio(m) -> tuple[float, float, float]:
@@ -312,6 +295,14 @@ def _fix_numbers(m) -> str:
             f"±{noise:.3f}); {reading}")
 
 
+def _said_or(numbers: Callable, read) -> str:
+    """A sentence of numbers, or that this build did not measure them."""
+    try:
+        return numbers(read)
+    except KeyError:
+        return MISSING
+
+
 def _cpu_speed(m) -> str:
     bf16 = m("04b_real_mismatch:perf.real.forward_tokens_per_s.bf16")
     fp16 = m("04b_real_mismatch:perf.real.forward_tokens_per_s.fp16")
@@ -332,8 +323,11 @@ def _deepspeed_fp16(c: Context) -> str:
         section = {"fp16": json.loads(path.read_text())["fp16"]}
     except (OSError, KeyError, ValueError):
         section = {"fp16": {"enabled": True, "loss_scale": 0}}
-    return (f"// configs/deepspeed_zero2_fp16.json; \"loss_scale\": 0 is dynamic\n"
-            f"{json.dumps(section, indent=2)}")
+    return json.dumps(section, indent=2)
+
+
+DEEPSPEED_NOTE = ("the fp16 section of the book's `configs/deepspeed_zero2_fp16.json`; `\"loss_scale\": 0` asks "
+                  "for a dynamic scale, starting at 2^`initial_scale_power`")
 
 
 def _trl_fp16(c: Context) -> str:
@@ -405,7 +399,7 @@ actor_rollout_ref.rollout.calculate_log_probs=True""", lang="text",
 accelerator = Accelerator(mixed_precision="fp16")  # a GradScaler is built only for fp16
 # or: accelerate launch --config_file configs/fsdp_fp16.yaml train.py""",
                 note="accelerate builds no GradScaler on a CPU"),
-         Config("DeepSpeed", _deepspeed_fp16, lang="json"),
+         Config("DeepSpeed", _deepspeed_fp16, lang="json", note=DEEPSPEED_NOTE),
          Config("vLLM", """vllm serve <model> --dtype float16
 # batch-invariant kernels (beta): the same numbers whatever the batch
 VLLM_BATCH_INVARIANT=1 vllm serve <model> --dtype float16""", lang="bash")),
@@ -435,7 +429,7 @@ scaler.update()"""),
          Config("accelerate", """accelerator = Accelerator(mixed_precision="fp16")
 accelerator.backward(loss)
 accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscales first"""),
-         Config("DeepSpeed", _deepspeed_fp16, lang="json"),
+         Config("DeepSpeed", _deepspeed_fp16, lang="json", note=DEEPSPEED_NOTE),
          Config("verl", """# an fp16 actor builds ShardedGradScaler(growth_interval=400) itself
 # (verl/workers/actor/dp_actor.py, from Precision-RL's fp16 patch)
 actor_rollout_ref.actor.fsdp_config.dtype=float16""", lang="text")),
@@ -484,8 +478,8 @@ actor_rollout_ref.rollout.enable_rollout_routing_replay=True""", lang="text"),
                              f"{_pct(m('06_moe:flip_rate.bf16'))}, fp16 {_pct(m('06_moe:flip_rate.fp16'))} of "
                              "token-layer routings (the lab's tiny MoE)")),
          Evidence("06_moe", "Routing replay", SHOWN,
-                  lambda m: (f"replay removes every flip and leaves {_pct(m('06_moe:replay.bf16.kl_kept'))} of the "
-                             "bf16 token KL"))),
+                  lambda m: (f"with replay {_pct(m('06_moe:replay.bf16.flip_rate'))} of the bf16 routings differ, "
+                             f"and {_pct(m('06_moe:replay.bf16.kl_kept'))} of the bf16 token KL is left"))),
     ),
     Finding(
         "logprobs", "Log-probabilities, softmax and optimizer state",
@@ -519,9 +513,9 @@ args = GRPOConfig(output_dir="out", cast_lm_head_to_fp32=True)""")),
     ),
     Finding(
         "cpu", "Running the book, or an experiment, on a CPU",
-        "bf16 results depend on the CPU's kernels: the same seed draws other numbers under another kernel set. "
-        "Compare against standard errors, never against one machine's draw. Without fp16 matrix instructions, "
-        "fp16 may run far slower than bf16 (evidence below).",
+        lambda c: ("bf16 results depend on the CPU's kernels: the same seed draws other numbers under another "
+                   "kernel set. Compare against standard errors, never against one machine's draw. A CPU without "
+                   f"fp16 matrix instructions runs fp16 at its own speed: {_said_or(_cpu_speed, c.read)}."),
         (Config("oneDNN", """# another kernel set for the same run
 ONEDNN_MAX_CPU_ISA=AVX512_CORE python train.py  # or AVX2""", lang="bash"),),
         (Evidence("04b_real_mismatch", "The kernels move μ and π too", SHOWN,
@@ -1000,15 +994,21 @@ def checklist(c: Context) -> list[str]:
     """The five things to check or change, each with its exact setting and its card."""
     def card(key):
         return f"{{ref}}`card {CARD[key]} <findings-{key}>`"
+    try:
+        ratio, low, high = _bf16_ratio(c.read)
+        fp16_gain = (f"On the real 135M model, bf16 engines disagreed {comparative(low, high)} fp16 engines "
+                     f"({_ci(ratio, low, high, 0)} the token KL).")
+    except KeyError:
+        fp16_gain = ""
     return [
         "## Check these five things", "",
         f"1. **Adapters in fp32.** trl casts a 4-bit model's LoRA trainables to bf16, where small updates are "
         f"lost: after `GRPOTrainer(...)`, cast every `p` with `p.requires_grad` to `p.data.float()` ({card('lora')}).",
         f"2. **fp16 only with a dynamic loss scaler.** `GRPOConfig(fp16=True)` builds one through accelerate; "
         f"DeepSpeed needs `\"fp16\": {{\"enabled\": true, \"loss_scale\": 0}}` ({card('fp16')}).",
-        f"3. **The same format in sampler and trainer.** fp16 in both: `GRPOConfig(fp16=True)` with "
-        f"`trl vllm-serve --dtype float16`, or in verl `actor_rollout_ref.rollout.dtype=float16` and the "
-        f"actor's `fsdp_config.dtype=float16` ({card('bf16')}).",
+        f"3. **One 16-bit format in sampler and trainer, fp16 where you can.** {fp16_gain} Both in fp16: "
+        f"`GRPOConfig(fp16=True)` with `trl vllm-serve --dtype float16`, or in verl "
+        f"`actor_rollout_ref.rollout.dtype=float16` and the actor's `fsdp_config.dtype=float16` ({card('bf16')}).",
         "4. **Log the mismatch.** trl `sampling/sampling_logp_difference/mean`, verl `rollout_corr/k3_kl`, "
         "NeMo-RL `train/token_mult_prob_error` ({ref}`what to watch <findings-logs>`).",
         f"5. **Log-probabilities in fp32.** `logits.float().log_softmax(-1)`; in trl "

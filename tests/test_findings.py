@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bookbuild import findings, layout
+from bookbuild import findings, layout, quantities
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,7 +106,7 @@ def test_a_toy_metric_is_never_read_where_the_chapter_records_a_real_one(tmp_pat
 
 def test_with_every_real_counterpart_recorded_the_page_reads_only_real_numbers(tmp_path):
     # every toy metric the page knows a counterpart of, and its counterpart, in one build
-    for toy, real in findings.REAL_FOR_TOY.items():
+    for toy, real in quantities.REAL_OF.items():
         for ref, value in ((toy, 1e-5), (real, 2e-3)):
             chapter, key = ref.split(":", 1)
             _write(tmp_path, chapter, {key: value})
