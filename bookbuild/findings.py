@@ -94,19 +94,19 @@ class Reader:
 
 # --- words chosen by the numbers -------------------------------------------------------------------------
 
-def comparative(low: float, high: float) -> str:
+def comparative(low: float, high: float, more: str = "more", less: str = "less") -> str:
     """How a ratio A/B with 95% interval [low, high] compares A with B, in words: 'far more than' only
-    beyond 10×, 'about the same as' where the interval includes 1."""
+    beyond 10×, 'about the same as' where the interval includes 1 (`more`/`less`: 'larger'/'smaller')."""
     if low > 10:
-        return "far more than"
+        return f"far {more} than"
     if low > 2:
-        return "more than"
+        return f"{more} than"
     if low > 1:
-        return "a little more than"
+        return f"a little {more} than"
     if high < 0.1:
-        return "far less than"
+        return f"far {less} than"
     if high < 1:
-        return "less than"
+        return f"{less} than"
     return "about the same as"
 
 
@@ -190,7 +190,7 @@ def _bf16_do(c: Context) -> str:
     """The bf16 situation's advice: its size from chapter 4b's ratio, its growth with length from link 2."""
     try:
         ratio, low, high = _bf16_ratio(c.read)
-        size = (f"Expect a training–inference mismatch {comparative(low, high)} fp16's: on the real 135M model "
+        size = (f"Expect a training–inference mismatch {comparative(low, high, 'larger', 'smaller')} fp16's: on the real 135M model "
                 f"its token KL was {_ci(ratio, low, high, 0)} fp16's.")
     except KeyError:
         size = "Expect a training–inference mismatch between the two engines; its size is not measured in this build."
@@ -251,7 +251,7 @@ def _fp8_do(c: Context) -> str:
         sequences, length = dial_size(c)
         tokens = (f"{sequences} sequences × {length} tokens = {sequences * length} tokens" if sequences
                   else "a few short sequences")
-        sampler = (f"An FP8 sampler added a mismatch {comparative(low, high)} bf16's on the real model "
+        sampler = (f"An FP8 sampler added a mismatch {comparative(low, high, 'larger', 'smaller')} bf16's on the real model "
                    f"({_ci(ratio, low, high, 0)}): an order of magnitude, from {tokens}, with a per-tensor "
                    "activation scale that also spans the prompts' left padding.")
     except KeyError:
@@ -645,10 +645,11 @@ def _real_ranges(m: Reader) -> list[list[str]]:
             rows.append([name, MISSING, "", where[name]])
             continue
         low, high = min(values), max(values)
-        measured = _sci(low) if low == high else f"{_sci(low)} – {_sci(high)}"
-        derived = (f"{math.sqrt(2 * low):.2g}" if low == high else
-                   f"{math.sqrt(2 * low):.2g} – {math.sqrt(2 * high):.2g}")
-        rows.append([name, measured, derived, where[name]])
+
+        def span(a: str, b: str) -> str:
+            return a if a == b else f"{a} – {b}"
+        rows.append([name, span(_sci(low), _sci(high)),
+                     span(f"{math.sqrt(2 * low):#.2g}", f"{math.sqrt(2 * high):#.2g}"), where[name]])
     return rows
 
 
@@ -679,7 +680,7 @@ def logs_section(c: Context) -> list[str]:
         "√(2·KL), the column derived from the measured one. Expect other sizes on other models and prompts: "
         "confident reasoning text disagrees less per token than this model's chat text.", "",
         "```{table}", ":class: findings-narrow", "",
-        table(["both engines in", "token KL measured (nats)", "mean |Δ log p|, derived", "chapters"],
+        table(["both engines in", "token KL measured (nats)", "mean absolute Δ log p, derived", "chapters"],
               _real_ranges(c.read)), "```", ""]
     try:
         n = max(int(k.split(".")[2]) for k in c.read.runs["04b_real_mismatch"]["metrics"]
@@ -687,8 +688,9 @@ def logs_section(c: Context) -> list[str]:
         sd = c.read(f"04b_real_mismatch:real.prefix_sd.{n}.measured")
         lines += [f"trl's default mode, `{c.defaults['trl_is_mode']}`, weighs each completion by the product "
                   f"of its tokens' ratios. On the real model in bf16 the log of that product spread by {sd:.2f} "
-                  f"nats (one standard deviation over sequences) at {n} tokens: a sequence is masked once its "
-                  f"ratio passes `vllm_importance_sampling_clip_max` ({c.defaults['trl_is_clip']}).", ""]
+                  f"nats (one standard deviation over sequences) at {n} tokens; trl masks a sequence whose "
+                  f"ratio passes `vllm_importance_sampling_clip_max`, {c.defaults['trl_is_clip']}, a log-ratio of "
+                  f"{math.log(float(c.defaults['trl_is_clip'])):.2f} nats.", ""]
     except (KeyError, ValueError):
         pass
     return lines

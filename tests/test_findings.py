@@ -153,7 +153,7 @@ def test_the_fp8_card_reads_its_sizes_and_the_lower_gradient_error(tmp_path):
     _write(tmp_path, "09_fp8", {"qerr.gradients.e4m3fn.tensor": 0.026, "qerr.gradients.e5m2.tensor": 0.053})
     card = _card(findings.page(tmp_path, tmp_path / "site"), "fp8")
     assert "4 sequences × 32 tokens = 128 tokens" in card and "an order of magnitude" in card
-    assert "far more than bf16's" in card  # 19× at the interval's low end
+    assert "far larger than bf16's" in card  # 19× at the interval's low end
     assert "E4M3's error was the lower on the lab model's gradients" in card
     assert "arxiv.org/abs/2412.19437" in card
 
