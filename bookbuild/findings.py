@@ -27,7 +27,7 @@ SHOWN, MECHANISM, NOT_SHOWN, INCONCLUSIVE = ("shown here", "mechanism only", "no
 BADGES = {SHOWN: "success", MECHANISM: "info", NOT_SHOWN: "secondary", INCONCLUSIVE: "warning"}
 FIGURES = "findings"  # the figures' folder beside the page
 MISSING = "not measured in this build"
-CODE_WIDTH = 88  # the longest line a config block may have: it must not scroll sideways
+CODE_WIDTH = 76  # a config block's longest line: within the house's 88, and it fits the card at 1,280 px
 
 PAPER = "[Qi et al. 2025, *Defeating the Training-Inference Mismatch via FP16*](https://arxiv.org/abs/2510.26788)"
 PAPER_SHORT = "[Qi et al. 2025](https://arxiv.org/abs/2510.26788)"
@@ -335,11 +335,13 @@ def _trl_fp16(c: Context) -> str:
     return (f"""from trl import GRPOConfig
 
 # both engines in fp16 (the paper's fix)
-args = GRPOConfig(output_dir="out", fp16=True, use_vllm=True, vllm_mode="server")
-# the vLLM server, in fp16 too:  trl vllm-serve --model <id> --dtype float16
+args = GRPOConfig(output_dir="out", fp16=True,
+                  use_vllm=True, vllm_mode="server")
+# the vLLM server in fp16 too: trl vllm-serve --model <id> --dtype float16
 # (colocated vLLM takes the checkpoint's dtype)
 
-# or keep bf16, with trl's importance-sampling correction (trl {d['trl']} defaults)
+# or keep bf16, with trl's importance-sampling correction
+# (the defaults of trl {d['trl']})
 args = GRPOConfig(
     output_dir="out", bf16=True, use_vllm=True,
     vllm_importance_sampling_correction={d['trl_is_on']},
@@ -355,8 +357,8 @@ FINDINGS = [
         "GradScaler, and trl has cast the 4-bit model's trainables to bf16, which the CUDA unscale kernel does not "
         "take. On an fp16-only GPU keep `fp16=True` and cast the trainables to fp32 after building the trainer; "
         "on Ampere or newer use `bf16=True`, and cast the trainables to fp32 there too: trl leaves them in bf16, "
-        "where small updates are lost (the LoRA card). Whether to move both engines to fp16 against the "
-        "mismatch is a separate choice (the bf16 card).",
+        "where small updates are lost (card 4). Whether to move both engines to fp16 against the mismatch is a "
+        "separate choice (card 2).",
         (Config("trl", lambda c: f"""from trl import GRPOConfig, GRPOTrainer
 
 # fp16-only GPU (T4, V100); on Ampere or newer: bf16=True
@@ -365,12 +367,13 @@ args = GRPOConfig(output_dir="out", fp16=True)
 trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward,
                       train_dataset=dataset)
 {CAST_TRAINABLES}"""),
-         Config("peft", """import torch
+         Config("bitsandbytes", """import torch
 from transformers import BitsAndBytesConfig
 
 quantization = BitsAndBytesConfig(
     load_in_4bit=True,
-    bnb_4bit_compute_dtype=torch.float16,  # T4, V100; torch.bfloat16 on Ampere or newer
+    # T4, V100; torch.bfloat16 on Ampere or newer
+    bnb_4bit_compute_dtype=torch.float16,
 )""", note="the 4-bit base of a QLoRA model, from bitsandbytes through transformers")),
         (Evidence("02_qlora_crash", "Root cause, in the installed code", SHOWN,
                   lambda m: (f"installed accelerate builds a scaler for `fp16=True`: "
@@ -384,7 +387,7 @@ quantization = BitsAndBytesConfig(
         "bf16", "Full fine-tuning RL on Ampere or Hopper with bf16 in both engines",
         _bf16_do,
         (Config("trl", _trl_fp16),
-         Config("verl", """# both engines in fp16 (verl >= 0.6.1; the actor then builds its own GradScaler)
+         Config("verl", """# both engines in fp16 (verl >= 0.6.1; the actor builds its own GradScaler)
 actor_rollout_ref.actor.fsdp_config.dtype=float16
 actor_rollout_ref.ref.fsdp_config.dtype=float16
 actor_rollout_ref.rollout.dtype=float16
@@ -396,7 +399,8 @@ actor_rollout_ref.rollout.calculate_log_probs=True""", lang="text",
                 note="Hydra overrides for `python3 -m verl.trainer.main_ppo`, one per argument"),
          Config("accelerate", """from accelerate import Accelerator
 
-accelerator = Accelerator(mixed_precision="fp16")  # a GradScaler is built only for fp16
+# a GradScaler is built only for fp16
+accelerator = Accelerator(mixed_precision="fp16")
 # or: accelerate launch --config_file configs/fsdp_fp16.yaml train.py""",
                 note="accelerate builds no GradScaler on a CPU"),
          Config("DeepSpeed", _deepspeed_fp16, lang="json", note=DEEPSPEED_NOTE),
@@ -442,16 +446,19 @@ actor_rollout_ref.actor.fsdp_config.dtype=float16""", lang="text")),
         _lora_do,
         (Config("peft", """from peft import LoraConfig, get_peft_model
 
-# autocast_adapter_dtype=True (the default since peft 0.12) keeps the adapters in fp32
-model = get_peft_model(model, LoraConfig(r=16), autocast_adapter_dtype=True)"""),
+# autocast_adapter_dtype=True, the default since peft 0.12: fp32 adapters
+model = get_peft_model(
+    model, LoraConfig(r=16), autocast_adapter_dtype=True
+)"""),
          Config("trl", lambda c: f"""trainer = GRPOTrainer(model=model, args=args, reward_funcs=reward,
                       train_dataset=dataset)
-# a 4-bit or 8-bit model's trainables are cast to bf16, and under ZeRO-3 the adapters
-# stay in the model's dtype: cast them to fp32 after building the trainer
+# trl casts a 4-bit or 8-bit model's trainables to bf16, and under ZeRO-3
+# the adapters stay in the model's dtype: cast them to fp32 once it is built
 {CAST_TRAINABLES}"""),
          Config("vLLM", """from vllm import LLM
 
-# serve the adapters unmerged unless the trainer scores the same merged, rounded weights
+# serve the adapters unmerged, unless the trainer scores the same
+# merged and rounded weights
 llm = LLM(model=base_model, enable_lora=True)""",
                 note="unmerged serving is not measured in this book")),
         (Evidence("07_lora", "Where the adapter dtype comes from", SHOWN,
@@ -497,7 +504,8 @@ args = GRPOConfig(output_dir="out", cast_lm_head_to_fp32=True)""")),
     Finding(
         "fp8", "FP8 rollouts or training",
         _fp8_do,
-        (Config("PyTorch", """w8 = (w / scale[:, None]).to(torch.float8_e4m3fn)  # one scale per output channel
+        (Config("PyTorch", """# one scale per output channel
+w8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
 # torch._scaled_mm multiplies FP8 matrices with their scales on Hopper"""),
          Config("vLLM", """vllm serve <model> --quantization fp8  # FP8 weights and activations""", lang="bash")),
         (Evidence("09_fp8", "Quantization error of real tensors", SHOWN,
@@ -540,26 +548,25 @@ class Stack:
 
 STACKS = (
     Stack("vLLM sampling in bf16, a trainer that casts the whole model to bf16 (DeepSpeed's bf16 mode)",
-          "04b_real_mismatch:real.token_kl.bf16", "04_mismatch:grid.bf16_bf16.token_kl", "offline, chapter 4b"),
+          "04b_real_mismatch:real.token_kl.bf16", "04_mismatch:grid.bf16_bf16.token_kl", "offline"),
     Stack("the same, both engines in fp16", "04b_real_mismatch:real.token_kl.fp16",
-          "04_mismatch:grid.fp16_fp16.token_kl", "offline, chapter 4b"),
+          "04_mismatch:grid.fp16_fp16.token_kl", "offline"),
     Stack("trl with vLLM: a bf16 sampler, a trainer under autocast with fp32 master weights",
           "05_grpo_precision:real.rl.long.bf16_bf16.probe_kl_start", "05_grpo_precision:combo.bf16_bf16.mean_kl",
-          "chapter 5's GRPO run, at its start"),
+          "during GRPO, at its start"),
     Stack("the same with fp16 in both engines", "05_grpo_precision:real.rl.long.fp16_fp16.probe_kl_start",
-          "05_grpo_precision:combo.fp16_fp16.mean_kl", "chapter 5's GRPO run, at its start"),
+          "05_grpo_precision:combo.fp16_fp16.mean_kl", "during GRPO, at its start"),
     Stack("a bf16 sampler, an fp32 trainer", "05b_sampler_precision:real.dial.bf16.token_kl",
-          "05b_sampler_precision:dial.bf16.token_kl", "chapter 5b's dial"),
+          "05b_sampler_precision:dial.bf16.token_kl"),
     Stack("a trainer that rounds its weights to bf16, a sampler that keeps fp32 weights",
-          "04b_real_mismatch:real.token_kl.bf16_train_fp32_infer", "04_mismatch:grid.bf16_fp32.token_kl",
-          "chapter 4b"),
+          "04b_real_mismatch:real.token_kl.bf16_train_fp32_infer", "04_mismatch:grid.bf16_fp32.token_kl"),
     Stack("FP8 rollouts (vLLM's `quantization=\"fp8\"`), an fp32 trainer",
           "05b_sampler_precision:real.dial.fp8_e4m3.token_kl", "05b_sampler_precision:dial.fp8_e4m3.token_kl",
-          "FP8 E4M3 decoder Linear layers, the rest bf16; chapter 5b"),
+          "FP8 E4M3 decoder Linear layers, the rest bf16"),
     Stack("LoRA: adapters merged into a bf16 sampler, the trainer scoring them unmerged in bf16",
-          "07_lora:real.serving.token_kl.unmerged_bf16", "07_lora:serving.token_kl.bf16.unmerged_bf16", "chapter 7"),
+          "07_lora:real.serving.token_kl.unmerged_bf16", "07_lora:serving.token_kl.bf16.unmerged_bf16"),
     Stack("LoRA: sampler and trainer scoring the same merged bf16 weights", "07_lora:real.serving.token_kl.merged",
-          "07_lora:serving.token_kl.bf16.merged", "chapter 7"),
+          "07_lora:serving.token_kl.bf16.merged"),
 )
 
 
@@ -575,7 +582,7 @@ def stacks_table(read: Reader) -> str:
         chapter = (s.real or s.toy).split(":")[0]
         rows.append([f"{s.setup} ({s.note})" if s.note else s.setup, value(s.real, read), value(s.toy, read.toy),
                      f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"])
-    return table(["your set-up", "real 135M model", "toy model (mechanism)", "chapter"], rows)
+    return table(["your set-up", "real 135M model", "toy model, mechanism only", "chapter"], rows)
 
 
 # --- what to watch in your logs -------------------------------------------------------------------------
