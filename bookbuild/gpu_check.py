@@ -293,58 +293,202 @@ def _scale(stem: str, full, trimmed) -> float:
     return loops.get(stem, 1.0)
 
 
-L4_GIB, A100_GIB = 24, 40  # the smaller cards readers rent: Colab's L4, a 40 GB A100
+L4_GIB, A100_GIB, T4_GIB = 22, 40, 14.6  # the cards readers rent: Colab's L4 and T4, a 40 GB A100 (usable GiB)
+GIB = 2**30
 
 
-def memory_estimate(profile) -> dict[str, float]:
-    """A rough peak of each chapter's GPU memory in GiB, computed from the profile (not measured).
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What memory depends on in a causal LM: its widths, depth and vocabulary."""
 
-    Weights, gradients and AdamW state in fp32 (16 bytes a parameter); the activations kept for a
-    backward through the largest training batch (34 bytes per token, hidden unit and layer in 16-bit,
-    Korthikanti et al. 2022, doubled for fp32, attention by SDPA); the sampler's fp32 KV cache at its
-    largest (every sequence sampled at once, lengths uniform up to the longest, finished ones leaving
-    the batch: half the sequences at half the length) with its per-token log-probabilities over the
-    vocabulary; and fp32 logits. `make gpu-check` records the measured peaks where chapters do.
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    experts: int = 0
+    params: int = 0  # 0: counted from the widths
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def parameters(self) -> int:
+        if self.params:
+            return self.params
+        mlp = 3 * self.hidden * self.intermediate * max(1, self.experts)
+        attention = 2 * self.hidden ** 2 + 2 * self.hidden * self.kv_heads * self.head_dim
+        return self.layers * (attention + mlp) + self.vocab * self.hidden
+
+    @property
+    def kv_slot(self) -> int:
+        """Bytes one cached token takes in one layer and one row of the sampler's cache (K and V, fp32)."""
+        return 2 * self.kv_heads * self.head_dim * 4
+
+
+LAB_VOCAB = 32  # the lab's character vocabulary (18 symbols), rounded up
+# SmolLM2-135M-Instruct as its config states it (labutils.pretrained loads it; 134.5M parameters, tied embeddings)
+SMOLLM2 = Shape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152, params=134_515_008)
+CHAT_PROMPT = 64  # tokens of a chat-template prompt, rounded up
+TOY_PROMPT = 8  # the lab task's prompt width, rounded up
+
+
+def lab_shape(size) -> Shape:
+    return Shape(size.hidden_size, size.num_layers, size.num_heads, size.num_kv_heads, size.intermediate_size,
+                 LAB_VOCAB, size.num_experts)
+
+
+def kv_cache_peak(shape: Shape, lengths, prompt: int) -> int:
+    """Peak bytes of the sampler's KV cache (labutils.decoding), replayed step by step: every layer's buffer
+    holds the rows still generating at a capacity that starts at max(prompt, 64) slots and doubles when full;
+    a resize holds one layer's old and new buffers at once, and so does dropping finished rows."""
+    lengths = sorted(int(n) for n in lengths)
+    rows, capacity, peak, gone = len(lengths), max(prompt, 64), 0, 0
+    slot, layers = shape.kv_slot, shape.layers
+    peak = layers * rows * capacity * slot
+    for step in range(lengths[-1]):
+        while gone < len(lengths) and lengths[gone] <= step + 1:  # rows whose last token was this step's
+            gone += 1
+        going = len(lengths) - gone
+        if going == 0:
+            break
+        if going < rows:  # batch_select_indices: one layer's kept rows copied while all layers hold the old
+            peak = max(peak, slot * capacity * (layers * rows + going))
+            rows = going
+        if prompt + step + 1 > capacity:  # _resized: one layer's grown buffer beside its old one
+            grown = max(2 * capacity, prompt + step + 1, 64)
+            peak = max(peak, slot * rows * (layers * grown + capacity))
+            capacity = grown
+        peak = max(peak, layers * rows * capacity * slot)
+    return peak
+
+
+def sampling_bytes(shape: Shape, lengths, prompt: int, dtype_bytes: int = 4, keep_vocab: int | None = None) -> int:
+    """GPU bytes of one InferenceEngine.sample call: its weights in the engine dtype, the KV cache's peak, the
+    full-vocabulary log-probability buffer (allocated up front for `keep_vocab` rows, all when None), the
+    per-row outputs, and one step's fp32 logits (cast, EOS ban, log-softmax: four copies)."""
+    lengths = list(lengths)
+    rows, steps = len(lengths), max(lengths)
+    kept = rows if keep_vocab is None else min(rows, keep_vocab)
+    return (dtype_bytes * shape.parameters + kv_cache_peak(shape, lengths, prompt)
+            + 4 * kept * steps * shape.vocab + 13 * rows * steps + 16 * rows * shape.vocab)
+
+
+def attention_scores_bytes(shape: Shape, rows: int, width: int, score_bytes: int = 4) -> int:
+    """PyTorch's math attention kernel: rows × heads × width² scores, live twice (the scores and their softmax)."""
+    return 2 * rows * shape.heads * width ** 2 * score_bytes
+
+
+def scoring_bytes(shape: Shape, rows: int, width: int, dtype_bytes: int = 4, math: bool = False) -> int:
+    """GPU bytes of one TrainingEngine forward over `rows` × `width` tokens without gradients: weights, about
+    eight hidden-sized activations per token, the logits in the engine dtype and in fp32 (twice), and with
+    `math` the attention scores the math kernel materialises (where no fused kernel takes the dtype and GQA)."""
+    tokens = rows * width
+    return (dtype_bytes * shape.parameters + 8 * tokens * max(shape.hidden, shape.intermediate // 2) * dtype_bytes
+            + tokens * shape.vocab * (dtype_bytes + 8)
+            + (attention_scores_bytes(shape, rows, width) if math else 0))
+
+
+def training_bytes(shape: Shape, tokens: int) -> int:
+    """GPU bytes of a training step: weights, gradients and AdamW state in fp32 (16 bytes a parameter), the
+    activations a backward keeps (34 bytes per token, hidden unit and layer in 16-bit, Korthikanti et al.
+    2022, doubled for fp32) and fp32 logits three times (logits, log-softmax, its gradient)."""
+    return (16 * shape.parameters + 68 * tokens * shape.hidden * shape.layers + 12 * tokens * shape.vocab)
+
+
+def _uniform(count: int, low: int, high: int) -> list[int]:
+    """`count` lengths spread evenly over [low, high], as the chapters' uniform draws are in expectation."""
+    return [low + round(i * (high - low) / max(1, count - 1)) for i in range(count)]
+
+
+HOST_BASE = 1.5 * GIB  # a kernel with torch, transformers and trl imported, the lab model on the CPU
+
+
+def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str, float]]:
+    """Per chapter: its peak GPU memory and host memory in GiB, computed from the sizes it uses in `profile`
+    (not measured), and the part of the GPU peak that is the math attention kernel's scores.
+
+    With `math_attention`, fp32 scoring with grouped-query attention takes PyTorch's math kernel (no fused
+    CUDA kernel took fp32 with GQA before pytorch#191085), as does any dtype on a GPU below compute
+    capability 8.0. The real-model chapters are estimated for SmolLM2-135M-Instruct, which they measure
+    where its wheel is installed (else they measure the lab model, which needs far less).
     """
     from labutils import task
 
-    vocab = 32  # the lab's character vocabulary, rounded up
-
-    def params(size):
-        mlp = 3 * size.hidden_size * size.intermediate_size * max(1, size.num_experts)
-        kv = 2 * size.hidden_size * size.hidden_size * size.num_kv_heads // size.num_heads
-        return size.num_layers * (2 * size.hidden_size ** 2 + kv + mlp) + vocab * size.hidden_size
-
-    def training(size, tokens):
-        return 16 * params(size) + 68 * tokens * size.hidden_size * size.num_layers + 12 * tokens * vocab
-
-    def sampling(size, sequences, longest):
-        kv_per_token = 2 * size.num_layers * size.hidden_size * size.num_kv_heads // size.num_heads * 4
-        return 4 * params(size) + sequences * longest * (kv_per_token / 4 + 4 * vocab)
-
-    def scoring(size, tokens):
-        return 4 * params(size) + 4 * 12 * tokens * size.hidden_size + 4 * tokens * vocab
+    dense, moe = lab_shape(profile.dense), lab_shape(profile.moe)
+    m, routing, R, real_rl = profile.mismatch, profile.routing, profile.real, profile.real_rl
+    math = math_attention and dense.kv_heads < dense.heads
 
     def rl_tokens(plan):
-        return plan.batch_size * (8 + task.completion_length(plan.max_walk) + 1)
+        return plan.batch_size * (TOY_PROMPT + task.completion_length(plan.max_walk) + 1)
 
-    dense, moe, m, d = profile.dense, profile.moe, profile.mismatch, profile.sampler
-    batch = m.micro_batch * (8 + m.max_len)
+    def mismatch_chapter(shape, count, low, high):
+        lengths = _uniform(count, low, high)
+        width = TOY_PROMPT + high
+        sample = sampling_bytes(shape, lengths, TOY_PROMPT)
+        score = scoring_bytes(shape, min(m.micro_batch, count), width, math=math)
+        scores = attention_scores_bytes(shape, min(m.micro_batch, count), width) if math else 0
+        # host: the rollout's and the scorer's vocabulary log-probabilities of every sequence, per precision
+        host = 2 * 4 * count * high * shape.vocab
+        return max(sample, score), scores, host
+
+    def real_mismatch():
+        lengths = [R.length] * R.sample_batch
+        sample = sampling_bytes(SMOLLM2, lengths, CHAT_PROMPT, 2, keep_vocab=R.exact_sequences)
+        score = scoring_bytes(SMOLLM2, R.micro_batch, CHAT_PROMPT + R.length, 2)
+        host = 4 * R.length * SMOLLM2.vocab * (2 * min(R.sample_batch, R.exact_sequences) + R.micro_batch)
+        return max(sample, score), 0, host
+
+    def real_dial():
+        lengths = [R.dial_length] * R.dial_sequences
+        sample = sampling_bytes(SMOLLM2, lengths, CHAT_PROMPT, 4) + 4 * SMOLLM2.parameters  # fp32 trainer beside
+        score = scoring_bytes(SMOLLM2, min(16, R.dial_sequences), CHAT_PROMPT + R.dial_length, 4)
+        host = 3 * 4 * R.dial_sequences * R.dial_length * SMOLLM2.vocab
+        return max(sample, score), 0, host
+
+    def real_merge():  # chapter 7: the merged copy samples, two trainers rescore (16 sequences a forward)
+        count, length = R.probe_sequences, 2 * R.probe_length
+        models_ = 3 * 4 * SMOLLM2.parameters  # the fp32 policy, its merged copy, a 16-bit engine
+        sample = models_ + sampling_bytes(SMOLLM2, [length] * count, CHAT_PROMPT, 2)
+        score = models_ + scoring_bytes(SMOLLM2, min(16, count), CHAT_PROMPT + length, 2)
+        host = 4 * count * length * SMOLLM2.vocab * 3.5  # sample, scored vocab, logits, the previous rescore
+        return max(sample, score), 0, host
+
+    def real_training():  # chapter 5's real-model runs: SmolLM2 in fp32 with AdamW, the engines beside
+        tokens = real_rl.prompts_per_step * real_rl.group * (CHAT_PROMPT + real_rl.max_new_tokens)
+        return training_bytes(SMOLLM2, tokens) + 2 * 4 * SMOLLM2.parameters, 0, 2 * GIB
+
+    def toy(gpu_bytes, host=0):
+        return gpu_bytes, 0, host
+
+    sampler = profile.sampler
     need = {
-        "00_lab": training(dense, profile.warmup.batch_size * (8 + task.completion_length(profile.warmup.max_walk))),
-        "02_qlora_crash": training(dense, rl_tokens(profile.grpo)),
-        "03_loss_scaling": training(dense, rl_tokens(profile.grpo)),
-        "04_mismatch": max(sampling(dense, m.sequences, m.max_len), scoring(dense, batch)),
-        "05_grpo_precision": training(dense, rl_tokens(profile.rl)),
-        "05b_sampler_precision": max(training(dense, rl_tokens(profile.sampler_rl)),
-                                     sampling(dense, d.dial_sequences, 2 * d.dial_length)),
-        "06_moe": max(training(moe, rl_tokens(profile.rl)), sampling(moe, m.sequences, m.max_len), scoring(moe, batch)),
-        "07_lora": training(dense, rl_tokens(profile.grpo)),
-        "08_sensitive_ops": scoring(dense, batch),
-        "09_fp8": 36 * 4096 ** 2,  # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096
-        "10_scaling_out": training(dense, rl_tokens(profile.rl)),
+        "00_lab": toy(training_bytes(dense, profile.warmup.batch_size * (
+            TOY_PROMPT + task.completion_length(profile.warmup.max_walk))) + training_bytes(moe, 0)),
+        "01_number_formats": toy(0.05 * GIB),
+        "02_qlora_crash": max(toy(training_bytes(dense, rl_tokens(profile.grpo))),
+                              toy(training_bytes(SMOLLM2, R.fix_batch * (CHAT_PROMPT + R.fix_completion)))),
+        "03_loss_scaling": toy(training_bytes(dense, rl_tokens(profile.grpo))),
+        "04_mismatch": mismatch_chapter(dense, m.sequences, m.min_len, m.max_len),
+        "04b_real_mismatch": real_mismatch(),
+        "05_grpo_precision": max(toy(training_bytes(dense, rl_tokens(profile.rl))), real_training()),
+        "05b_sampler_precision": max(toy(training_bytes(dense, rl_tokens(profile.sampler_rl))),
+                                     toy(sampling_bytes(dense, [sampler.dial_length] * sampler.dial_sequences,
+                                                        TOY_PROMPT)), real_dial()),
+        "06_moe": max(toy(training_bytes(moe, rl_tokens(profile.rl))),
+                      mismatch_chapter(moe, routing.sequences, m.min_len, routing.max_len)),
+        "07_lora": max(toy(training_bytes(dense, rl_tokens(profile.grpo))), real_merge()),
+        "08_sensitive_ops": toy(scoring_bytes(dense, 16, TOY_PROMPT + task.completion_length(profile.task.max_walk))),
+        # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096; the real model stays on the CPU
+        "09_fp8": toy(36 * 4096 ** 2, 4 * SMOLLM2.parameters),
+        # one GRPO process, and two on the one GPU when only one is there
+        "10_scaling_out": toy(2 * training_bytes(dense, rl_tokens(profile.rl)), HOST_BASE),
+        "11_troubleshooting": toy(0.2 * GIB),
     }
-    return {stem: round(need.get(stem, 0) / 2**30, 2) for stem in need}
+    return {stem: {"gpu_gib": round(gpu / GIB, 2), "math_scores_gib": round(scores / GIB, 2),
+                   "host_gib": round((HOST_BASE + host) / GIB, 1)} for stem, (gpu, scores, host) in need.items()}
 
 
 def provenance(trimmed) -> dict:
@@ -483,27 +627,45 @@ def run(stems: list[str], stretch: float = 1.0, out: Path = OUT) -> dict:
     return outcomes
 
 
-def expectations(root: Path = ROOT) -> list[dict]:
-    """Per chapter: the computed memory estimate against an L4 and a 40 GB A100, and the H200 run's seconds if any."""
+def expectations(root: Path = ROOT, profile=None) -> list[dict]:
+    """Per chapter: computed GPU and host memory in the gpu profile (what fits a T4, an L4 and a 40 GB A100),
+    and the trimmed GPU run's seconds where `results/gpu/` has one."""
     from labutils import profiles
     from . import pipeline
 
-    memory = memory_estimate(profiles.PROFILES["gpu"])
+    memory = memory_estimate(profile or profiles.PROFILES["gpu"])
     rows = []
     for stem in pipeline.chapters(root):
-        run = json.loads(path.read_text()).get("provenance", {}) if (path := root / "results" / "gpu" /
-                                                                    f"{stem}.json").is_file() else {}
-        gib = memory.get(stem, 0.0)
-        rows.append({"chapter": stem, "peak memory estimate (GiB, computed)": gib,
-                     "fits an L4": gib < L4_GIB, "fits an A100 40GB": gib < A100_GIB,
-                     "trimmed run (s)": run.get("seconds"), "on": run.get("gpu"),
-                     "untrimmed estimate (s)": run.get("untrimmed_estimate_s")})
+        path = root / "results" / "gpu" / f"{stem}.json"
+        run = json.loads(path.read_text()).get("provenance", {}) if path.is_file() else {}
+        gib = memory[stem]["gpu_gib"]
+        rows.append({"chapter": stem, **memory[stem],
+                     "fits": [name for name, card in (("T4", T4_GIB), ("L4", L4_GIB), ("A100-40", A100_GIB))
+                              if gib < card],
+                     "trimmed run (s)": run.get("seconds"), "on": run.get("gpu")})
     return rows
 
 
+def side_by_side(rows: list[dict]) -> tuple[str, str, float]:
+    """The two chapters whose GPU peaks add up to the most: what `make book` (two chapters at a time) needs."""
+    first, second = sorted(rows, key=lambda row: row["gpu_gib"], reverse=True)[:2]
+    return first["chapter"], second["chapter"], round(first["gpu_gib"] + second["gpu_gib"], 2)
+
+
 def print_expectations() -> None:
-    for row in expectations():
-        print("  ".join(f"{k}: {v}" for k, v in row.items()))
+    rows = expectations()
+    print("computed from the gpu profile's sizes (python -m bookbuild.gpu_check expect); GiB")
+    print(f"{'chapter':<24}{'GPU':>8}{'of it math-kernel scores':>26}{'host':>7}  fits")
+    for row in rows:
+        run = f"  (trimmed run {row['trimmed run (s)']} s on {row['on']})" if row["on"] else ""
+        print(f"{row['chapter']:<24}{row['gpu_gib']:>8.2f}{row['math_scores_gib']:>26.2f}{row['host_gib']:>7.1f}  "
+              f"{', '.join(row['fits']) or 'none of T4, L4, A100-40'}{run}")
+    first, second, total = side_by_side(rows)
+    print(f"make book runs two chapters at a time: {first} and {second} together need {total:.2f} GiB "
+          "(--jobs 1 on a smaller card)")
+    print("real-model chapters (04b, 05, 05b, 07) are sized for SmolLM2-135M-Instruct; without its wheel they "
+          "measure the lab model, which needs far less. Math-kernel scores: fp32 scoring with grouped-query "
+          "attention, where no fused kernel takes it.")
 
 
 def main(argv: list[str] | None = None) -> None:

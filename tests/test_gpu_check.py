@@ -167,3 +167,92 @@ def test_the_engines_agree_with_the_cache_used_and_not_without_it(monkeypatch):
     assert gpu_check.engines_agree("cpu") < 1e-5
     monkeypatch.setattr(rollout, "cache_keyword", lambda model: "not_a_cache")  # as a transformers that renamed it
     assert gpu_check.engines_agree("cpu") > 1e-3
+
+
+# The engines at small sizes on this CPU, in a fresh process with glibc's mmap threshold fixed: every buffer
+# larger than 64 KiB is mapped on allocation and unmapped when freed, so the peak resident set (VmHWM, reset
+# through /proc/self/clear_refs) follows the peak of what is allocated.
+PROBE = """
+import json, sys
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AutoModelForCausalLM
+from labutils import models, profiles, rollout
+
+def field(name):
+    for line in open("/proc/self/status"):
+        if line.startswith(name):
+            return int(line.split()[1]) * 1024
+
+def peak(fn):
+    open("/proc/self/clear_refs", "w").write("5")
+    base = field("VmRSS:")
+    out = fn()
+    return field("VmHWM:") - base, out
+
+torch.set_num_threads(1)
+spec = json.loads(sys.argv[1])
+torch.manual_seed(0)
+tokenizer = models.build_tokenizer()
+model = AutoModelForCausalLM.from_config(models.build_config(profiles.ModelSize(**spec["size"]), tokenizer))
+lengths, prompt = torch.tensor(spec["lengths"]), [5] * spec["prompt"]
+sampler = rollout.InferenceEngine(model, torch.float32, "cpu")
+sampler.sample([prompt] * 2, 4, 4)
+sampled_peak, sampled = peak(lambda: sampler.sample([prompt] * len(lengths), lengths, lengths, keep_vocab=True,
+                                                     generator=torch.Generator().manual_seed(0)))
+scorer = rollout.TrainingEngine(model, torch.float32, "cpu", micro_batch=spec["micro_batch"])
+some = sampled.first(spec["micro_batch"])
+scorer.score(sampled.first(1))
+fused, _ = peak(lambda: scorer.score(some))
+with sdpa_kernel(SDPBackend.MATH):
+    scorer.score(sampled.first(1))
+    math, _ = peak(lambda: scorer.score(some))
+print(json.dumps({"sample": sampled_peak, "fused": fused, "math": math, "vocab": len(tokenizer),
+                  "width": some.completion_ids.shape[1] + len(prompt)}))
+"""
+TOLERANCE = 0.2  # the measured peak within 20% of the formula's (what the formulas leave out is smaller)
+
+
+def test_expect_lists_every_chapter_with_gpu_and_host_memory(capsys):
+    rows = gpu_check.expectations()
+    assert [row["chapter"] for row in rows] == pipeline.chapters()
+    assert all(row["gpu_gib"] > 0 and row["host_gib"] > 0 for row in rows)
+    gpu_check.main(["expect"])
+    printed = capsys.readouterr().out
+    assert all(stem in printed for stem in pipeline.chapters()) and "two chapters at a time" in printed
+
+
+def test_the_kv_cache_replay_follows_its_doubling_and_its_transients():
+    shape = gpu_check.Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=32)
+    slot = shape.kv_slot  # K and V of 2 heads of 16 fp32 values
+    assert slot == 2 * 2 * 16 * 4
+    # one row of 100 tokens after an 8-token prompt: capacity 64, then 128 at token 57 (one layer's old 64 beside)
+    assert gpu_check.kv_cache_peak(shape, [100], 8) == slot * (2 * 128 + 64)
+    # the same row beside one that stops at 10 tokens: dropping it copies one layer's kept row at capacity 64
+    assert gpu_check.kv_cache_peak(shape, [100, 10], 8) == max(slot * 64 * (2 * 2 + 1), slot * (2 * 128 + 64))
+    # the gpu profile's chapter 4: the cache alone outgrows a T4, about twice "half the rows at half the length"
+    gpu = profiles.PROFILES["gpu"]
+    m, dense = gpu.mismatch, gpu_check.lab_shape(gpu.dense)
+    peak = gpu_check.kv_cache_peak(dense, gpu_check._uniform(m.sequences, m.min_len, m.max_len), 8)
+    assert peak / 2**30 > 12 and peak > 1.8 * dense.layers * dense.kv_slot * m.sequences / 2 * m.max_len / 2
+
+
+def test_the_memory_formulas_hold_to_the_peaks_measured_on_this_cpu():
+    size = dict(hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=4, intermediate_size=64, max_positions=1024)
+    lengths = gpu_check._uniform(24, 16, 150)
+    spec = dict(size=size, lengths=lengths, prompt=8, micro_batch=4)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(spec)], env=env, capture_output=True, text=True,
+                          cwd=pipeline.ROOT)
+    if "clear_refs" in done.stderr:
+        pytest.skip("this kernel does not let a process reset its peak resident set (/proc/self/clear_refs)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    measured = json.loads(done.stdout.splitlines()[-1])
+    shape = dataclasses.replace(gpu_check.lab_shape(profiles.ModelSize(**size)), vocab=measured["vocab"])
+    weights = 4 * shape.parameters  # the engines' copies exist before each measured call
+    predicted = {"sample": gpu_check.sampling_bytes(shape, lengths, 8) - weights,
+                 "fused": gpu_check.scoring_bytes(shape, 4, measured["width"]) - weights,
+                 "math": gpu_check.scoring_bytes(shape, 4, measured["width"], math=True) - weights}
+    for name, value in predicted.items():
+        assert abs(measured[name] - value) <= TOLERANCE * value, (name, measured[name] / 2**20, value / 2**20)
+    assert measured["math"] > measured["fused"]  # the math kernel's scores are really there
