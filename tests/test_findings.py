@@ -211,3 +211,10 @@ def test_this_builds_page_reads_no_toy_number_where_a_real_one_is_recorded(tmp_p
     if not runs:
         pytest.skip("no results in this checkout's build")
     findings.page(ROOT, tmp_path / "site")  # raises ToyWhereReal where the page would
+
+
+def test_the_chain_figure_is_narrow_enough_to_show_its_text_at_full_size(tmp_path):
+    links = [(text, findings.UNRESOLVED, "05b_sampler_precision") for text in "abcde"]
+    svg = findings.chain_figure(links, tmp_path / "chain.svg").read_text()
+    width_pt = float(re.search(r'<svg[^>]* width="([\d.]+)pt"', svg).group(1))
+    assert width_pt * 96 / 72 <= 690  # shown at its natural size in the column: 12-point text stays 16 px
