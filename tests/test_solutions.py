@@ -56,3 +56,13 @@ def test_every_chapter_with_exercises_has_its_solutions_block():
         text = "\n".join(c.source for c in notebook.cells if c.cell_type == "markdown")
         if "## Exercises" in text:
             assert solutions.split(notebook)[1], f"{stem} has exercises and no solutions block"
+
+
+def test_the_teachers_page_opens_with_the_workshops_teaching_notes(tmp_path):
+    from bookbuild import workshop
+
+    text = solutions.page([], root=tmp_path)
+    assert text.index("## Teaching the workshop") < text.index("## Solutions")
+    for block in workshop.PLAN:
+        for belief, _ in block.misconceptions:
+            assert belief in text
