@@ -18,6 +18,31 @@ import os
 from pathlib import Path
 
 
+def refusal(profile, processes: int) -> str | None:
+    """Why `processes` processes of this script cannot run here, in one sentence; None where they can.
+
+    On CUDA every process needs a GPU of its own: accelerate places rank r on GPU r modulo the GPU count,
+    and NCCL refuses two ranks on one device ("Duplicate GPU detected"). On the CPU any number share the
+    cores through gloo.
+    """
+    if profile.device != "cuda" or processes <= 1:
+        return None
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus >= processes:
+        return None
+    return (f"a DDP run on {processes} processes needs {processes} GPUs and this machine has {gpus}: "
+            "NCCL refuses two processes on one GPU; run this chapter on a machine with "
+            f"{processes} GPUs, or with profile='cpu', where the processes share the cores.")
+
+
+def require(profile, processes: int) -> None:
+    """Raise `refusal`'s sentence before any launch spends its steps (a chapter's set-up cell calls it)."""
+    reason = refusal(profile, processes)
+    if reason:
+        raise RuntimeError(reason)
+
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

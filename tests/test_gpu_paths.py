@@ -32,6 +32,7 @@ CUDA_ONLY_HELPERS = {
     ("measure.py", 'if device.startswith("cuda"):'),  # max_memory_allocated and reserved
     ("rollout.py", 'if kind == "cuda":'),  # engine_dtype's CUDA checks
     ("pretrained.py", 'if profile.device != "cuda":'),  # a GPU without the real model's wheel measures the toy
+    ("launch.py", 'if profile.device != "cuda" or processes <= 1:'),  # one GPU per DDP process (tested below)
 }
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
 HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')
@@ -70,3 +71,20 @@ def test_every_chapter_runs_its_gpu_profile_code(gpu_paths_build, stem):
     assert stem not in failure, f"{stem} failed in the gpu profile's code paths: {failure}"
     data = json.loads((build / "results" / f"{stem}.json").read_text())
     assert data["profile"] == "gpu" and data["env"]["device"] == "cpu"
+
+
+def test_a_two_process_launch_is_refused_where_one_gpu_would_hold_both(monkeypatch):
+    import torch
+
+    from labutils import launch
+
+    gpu = profiles.PROFILES["gpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launch.refusal(gpu, 1) is None  # one process, one GPU
+    reason = launch.refusal(gpu, 2)
+    assert reason.startswith("a DDP run on 2 processes needs 2 GPUs and this machine has 1") and reason.count(". ") == 0
+    with pytest.raises(RuntimeError, match="NCCL refuses two processes on one GPU"):
+        launch.require(gpu, 2)  # before launch(1) trains a step
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert launch.refusal(gpu, 2) is None
+    assert launch.refusal(profiles.PROFILES["cpu"], 2) is None  # gloo: the processes share the cores
