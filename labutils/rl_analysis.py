@@ -237,3 +237,16 @@ def probe_change(runs: list[dict], key: str = "probe_mismatch") -> dict:
     return {"start": start, "end": end, "change": change, "change_se": se, "seed_changes": seed_changes,
             "seeds": len(runs), "seeds_agree": agree, "rising_prompts": int((per_prompt > 0).sum()),
             "prompts": len(per_prompt), "verdict": verdict}
+
+
+def probe_gap(high: list[dict], low: list[dict], index: int, key: str = "probe_mismatch") -> dict:
+    """One pair's probe `key` minus another's at evaluation `index`, paired by prompt.
+
+    Both pairs probe the same prompts, so each prompt's value is averaged over its pair's seeds and the
+    difference's standard error is taken over prompts; `ratio` is the ratio of the two means.
+    """
+    a = np.mean([r[key][index] for r in high], axis=0)
+    b = np.mean([r[key][index] for r in low], axis=0)
+    diff = a - b
+    return {"gap": float(diff.mean()), "gap_se": float(diff.std(ddof=1) / math.sqrt(len(diff))),
+            "ratio": float(a.mean() / b.mean()), "prompts": len(diff)}

@@ -138,3 +138,12 @@ def test_power_is_the_t_tests_chance_to_see_a_gap_of_that_size():
     sd, seeds = 0.07, 5
     half = stats.t.ppf(0.975, seeds - 1) * sd / math.sqrt(seeds)
     assert rl_analysis.power(0.05, half, seeds - 1) == pytest.approx(rl_design.paired_power(0.05, sd, seeds))
+
+
+def test_a_probe_gap_pairs_the_prompts_and_averages_each_pairs_seeds_first():
+    high = [{"probe_mismatch": [[4.0, 6.0, 8.0]]}, {"probe_mismatch": [[2.0, 4.0, 6.0]]}]  # per prompt 3, 5, 7
+    low = [{"probe_mismatch": [[1.0, 1.0, 1.0]]}]
+    gap = rl_analysis.probe_gap(high, low, 0)
+    assert gap["gap"] == pytest.approx(4.0) and gap["prompts"] == 3
+    assert gap["gap_se"] == pytest.approx(2.0 / math.sqrt(3))  # the differences 2, 4, 6 have SD 2
+    assert gap["ratio"] == pytest.approx(5.0)
