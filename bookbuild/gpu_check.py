@@ -76,7 +76,10 @@ READS = {"00_lab": ("task.",), "02_qlora_crash": ("grpo.", "real.fix"), "03_loss
          "06_moe": ("rl.", "routing.", "mismatch."), "07_lora": ("grpo.", "real.probe"), "08_sensitive_ops": ("task.",),
          "10_scaling_out": ("rl.",)}
 CHAPTER = "LAB_GPU_CHECK_CHAPTER"  # names the chapter whose sizes `trimmed` gives, in every process of its slice
-SLICE_MARK = "LAB_GPU_CHECK_SLICE"  # in the environment of every process a slice starts, to find them all
+SLICE_MARK = "LAB_GPU_CHECK_SLICE"
+# fp32 stays fp32: NGC images export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which rounds every fp32 matmul's inputs
+# to TF32 and breaks the chapters' checks that two fp32 engines agree to the bit
+FP32_EXACT = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0", "NVIDIA_TF32_OVERRIDE": "0"}  # in the environment of every process a slice starts, to find them all
 
 
 def _apply(obj, changes: dict):
@@ -517,6 +520,7 @@ def provenance(trimmed) -> dict:
             "memory_gib": round(props.total_memory / 2**30, 1), "driver": driver, "cuda": torch.version.cuda,
             "python": sys.version.split()[0], "versions": versions, "commit": commit or "unknown",
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "chapters_at_once": 1,
+            "environment": dict(FP32_EXACT),  # what every chapter's slice ran with: no TF32
             "trimmed": True, "parameters": dataclasses.asdict(trimmed)}
 
 
@@ -583,7 +587,7 @@ def run_chapters(stems: list[str], work: Path, out: Path, record: dict, stretch:
     site = work / "site"
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, profiles.GPU_TRIMMED: "1", "LAB_RESULTS_DIR": str(work / "results"),
+    env = {**os.environ, **FP32_EXACT, profiles.GPU_TRIMMED: "1", "LAB_RESULTS_DIR": str(work / "results"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(ROOT), os.environ.get("PYTHONPATH")]))}
     full, outcomes = profiles.PROFILES["gpu"], {}
     out.mkdir(parents=True, exist_ok=True)

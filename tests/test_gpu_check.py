@@ -141,6 +141,18 @@ def test_the_next_chapter_runs_after_one_overruns_and_only_completed_ones_are_wr
     assert written["parameters"]["name"] == "gpu" and written["seconds"] < written["slice_s"] + 1
 
 
+def test_every_slice_keeps_fp32_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")  # as NGC's images set it
+    seen = {}
+
+    def fake(stem, work, seconds, env):
+        seen.update(env)
+        return 0.1, "not run"
+
+    gpu_check.run_chapters(["01_number_formats"], tmp_path / "work", tmp_path / "gpu", {}, execute=fake)
+    assert {name: seen[name] for name in gpu_check.FP32_EXACT} == gpu_check.FP32_EXACT
+
+
 def test_the_trimmed_profile_keeps_the_gpu_sizes_and_does_less():
     gpu = profiles.PROFILES["gpu"]
     trimmed = profiles.gpu_trimmed(gpu)
@@ -290,6 +302,7 @@ def test_the_gpu_workflow_brings_cuda_caches_and_uploads_whatever_completed():
     assert any("$TORCH" in c for c in commands) and any("torch.cuda.is_available()" in c for c in commands)
     cached = {step["with"]["path"] for step in steps if step.get("uses", "").startswith("actions/cache")}
     assert cached == {".venv", ".lab-cache", "_build"} and flow["env"]["LAB_CACHE"].endswith(".lab-cache")
+    assert {name: flow["env"][name] for name in gpu_check.FP32_EXACT} == gpu_check.FP32_EXACT  # no TF32
     execute = next(i for i, c in enumerate(commands) if "pipeline execute --profile gpu" in c)
     after = steps[execute + 1:]
     assert after and all(step.get("if") == "${{ always() }}" for step in after)  # HTML and upload after a failure
