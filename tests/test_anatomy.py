@@ -16,6 +16,17 @@ def test_the_measure_counts_what_it_says():
     assert measured.words == 4  # "Title", "Some", "words", "here"
 
 
+def test_the_widest_line_counts_visible_comments_and_not_the_parameters_cell():
+    """A reader sees a comment in the code box, so it counts towards the widest line; the build removes the
+    parameters cell from the page, so its lines count for nothing."""
+    comment = "# " + "c" * 95
+    source = "\n".join([
+        "```{code-cell} ipython3", ":tags: [parameters]", "", 'profile = "auto"  # ' + "p" * 100, "```", "",
+        "```{code-cell} ipython3", comment, "x = 1", "```"])
+    measured = anatomy.measure(source)
+    assert (measured.code_lines, measured.widest_line) == (1, len(comment))
+
+
 @pytest.mark.parametrize("stem", CHAPTERS)
 def test_each_chapter_opens_with_its_answer_and_keeps_its_bookkeeping_out_of_sight(stem):
     measured = anatomy.measure((layout.ROOT / "chapters" / f"{stem}.md").read_text())
