@@ -266,10 +266,14 @@ def install(wheels: Path, target: str) -> None:
     if chosen:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", target, *chosen], check=True)
-    probe = ("import importlib, torch\nmissing = []\n"
+    probe = ("import importlib, sys, torch\nmissing = []\n"
              f"for name in {NEEDED!r}:\n"
              "    try:\n        importlib.import_module(name)\n"
              "    except Exception as err:\n        missing.append(f'{name} ({type(err).__name__}: {err})')\n"
+             "version = getattr(sys.modules.get('transformers'), '__version__', '5')\n"
+             "if int(version.split('.')[0]) < 5:\n"
+             "    missing.append(f'transformers 5 or newer (this machine has {version}; "
+             "labutils.decoding uses the 5.x cache API): pip install \"transformers>=5\"')\n"
              "if not torch.cuda.is_available():\n    missing.append('a CUDA device (torch sees none)')\n"
              "print('; '.join(missing))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, str(ROOT), os.environ.get("PYTHONPATH", "")])}
