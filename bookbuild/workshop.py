@@ -244,17 +244,21 @@ def cell_seconds(root: Path, exercise: Exercise) -> tuple[float, float] | None:
     cells = nbformat.read(path, as_version=4).cells
     section = next((i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## ")),
                    len(cells))
-    took = {i: float(c.get("metadata", {}).get("papermill", {}).get("duration") or 0.0)
+    took = {i: c.get("metadata", {}).get("papermill", {}).get("duration")  # None: the cell did not run
             for i, c in enumerate(cells) if c.cell_type == "code"}
     own = next((i for i in took if exercise.cell in cells[i].source), None)
     if own is None:
         return None
     if exercise.needs is None:
-        return sum(t for i, t in took.items() if i < own), took[own] / exercise.runs
-    needed = [next((i for i in took if cells[i].source.startswith(first)), None) for first in exercise.needs]
-    if None in needed:
+        first = [i for i in took if i < own]
+    else:
+        needed = [next((i for i in took if cells[i].source.startswith(line)), None) for line in exercise.needs]
+        if None in needed:
+            return None
+        first = [i for i in took if i < section or i in needed]
+    if any(took[i] is None for i in (*first, own)):
         return None
-    return sum(t for i, t in took.items() if i < section or i in needed), took[own] / exercise.runs
+    return sum(took[i] for i in first), took[own] / exercise.runs
 
 
 def exercise_rows(root: Path) -> list[dict]:
@@ -424,8 +428,8 @@ def _first(exercise: Exercise, seconds: float | None, teaching: float) -> str:
     if exercise.needs is None:
         what = "every cell above the exercise's (*Run → Run All Above Selected Cell*)"
     elif exercise.needs:
-        what = "the set-up cells at the top, then the cells that begin " + ", ".join(
-            f"`{first.strip()}`" for first in exercise.needs)
+        what = (f"the set-up cells at the top, then the cell{'s' if len(exercise.needs) > 1 else ''} that "
+                f"begin{'' if len(exercise.needs) > 1 else 's'} " + ", ".join(f"`{line.strip()}`" for line in exercise.needs))
     else:
         what = "the set-up cells at the top"
     took = status.seconds(seconds)
