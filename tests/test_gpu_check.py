@@ -300,6 +300,7 @@ def test_the_gpu_workflow_brings_cuda_caches_and_uploads_whatever_completed():
     steps = book["steps"]
     commands = [step.get("run", "") for step in steps]
     assert any("$TORCH" in c for c in commands) and any("torch.cuda.is_available()" in c for c in commands)
+    assert any("PIP_CONSTRAINT" in c and "results/long/real_rl.json" in c for c in commands)  # measured versions
     cached = {step["with"]["path"] for step in steps if step.get("uses", "").startswith("actions/cache")}
     assert cached == {".venv", ".lab-cache", "_build"} and flow["env"]["LAB_CACHE"].endswith(".lab-cache")
     assert {name: flow["env"][name] for name in gpu_check.FP32_EXACT} == gpu_check.FP32_EXACT  # no TF32
