@@ -50,7 +50,7 @@ book: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m pytest
 
-# Chapters 4, 5, 5b and 6 executed again under another CPU kernel set, their metric tests run on those
+# Chapters 4, 4b, 5, 5b and 6 executed again under another CPU kernel set, their metric tests run on those
 # results, and their ledger verdicts compared with the default kernels' (after make test, which built the rest)
 kernels-check: $(STAMP)
 	$(PY) -m bookbuild.kernels_check
