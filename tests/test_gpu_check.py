@@ -167,10 +167,12 @@ def test_the_trimmed_profile_keeps_the_gpu_sizes_and_does_less():
 
 def test_a_chapter_executes_the_way_gpu_check_runs_it(tmp_path, monkeypatch):
     monkeypatch.setenv(profiles.GPU_PATHS_ON_CPU, "1")  # the gpu profile, on this CPU
-    monkeypatch.setenv("LAB_RESULTS_DIR", str(tmp_path / "results"))
-    seconds, problem = gpu_check._execute("01_number_formats", tmp_path, 300)
-    assert problem == "" and seconds > 0
-    assert (tmp_path / "results" / "01_number_formats.json").is_file()
+    out = tmp_path / "gpu"
+    outcomes = gpu_check.run_chapters(["01_number_formats"], tmp_path / "work", out, {"gpu": "none: this CPU"},
+                                      stretch=300 / gpu_check.SLICES["01_number_formats"][0])
+    assert outcomes == {"01_number_formats": "completed"}
+    written = json.loads((out / "01_number_formats.json").read_text())
+    assert written["chapter"] == "01_number_formats" and written["provenance"]["gpu"] == "none: this CPU"
     seconds, problem = gpu_check._execute("01_number_formats", tmp_path, 1)
     assert problem.startswith("stopped after its 1 s slice")
 
