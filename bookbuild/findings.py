@@ -997,8 +997,8 @@ def checklist(c: Context) -> list[str]:
         return f"{{ref}}`card {CARD[key]} <findings-{key}>`"
     try:
         ratio, low, high = _bf16_ratio(c.read)
-        fp16_gain = (f"On the real 135M model, bf16 engines disagreed {comparative(low, high)} fp16 engines "
-                     f"({_ci(ratio, low, high, 0)} the token KL).")
+        fp16_gain = (f"On the real 135M model, bf16 engines disagreed {comparative(low, high)} fp16 engines: "
+                     f"{ratio:.0f}× their token KL (95% interval {low:.0f}–{high:.0f}).")
     except KeyError:
         fp16_gain = ""
     return [
