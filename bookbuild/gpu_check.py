@@ -72,14 +72,15 @@ SLICES: dict[str, tuple[int, dict]] = {
 # the profile fields each chapter reads (its own cells and the labutils calls it makes), for `plan`
 READS = {"00_lab": ("task.",), "02_qlora_crash": ("grpo.", "real.fix"), "03_loss_scaling": ("scaler_steps",),
          "04_mismatch": ("mismatch.",), "04b_real_mismatch": ("real.",),
-         "05_grpo_precision": ("rl.", "real_rl.", "task.eval"), "05b_sampler_precision": ("sampler", "real.dial", "task.eval"),
+         "05_grpo_precision": ("rl.", "real_rl.", "task.eval"),
+         "05b_sampler_precision": ("sampler", "real.dial", "task.eval"),
          "06_moe": ("rl.", "routing.", "mismatch."), "07_lora": ("grpo.", "real.probe"), "08_sensitive_ops": ("task.",),
          "10_scaling_out": ("rl.",)}
 CHAPTER = "LAB_GPU_CHECK_CHAPTER"  # names the chapter whose sizes `trimmed` gives, in every process of its slice
-SLICE_MARK = "LAB_GPU_CHECK_SLICE"
+SLICE_MARK = "LAB_GPU_CHECK_SLICE"  # in the environment of every process a slice starts, to find them all
 # fp32 stays fp32: NGC images export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1, which rounds every fp32 matmul's inputs
 # to TF32 and breaks the chapters' checks that two fp32 engines agree to the bit
-FP32_EXACT = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0", "NVIDIA_TF32_OVERRIDE": "0"}  # in the environment of every process a slice starts, to find them all
+FP32_EXACT = {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "0", "NVIDIA_TF32_OVERRIDE": "0"}
 
 
 def _apply(obj, changes: dict):
@@ -238,7 +239,8 @@ def supervise(command: list[str], seconds: float, log: str) -> dict:
 def run_slice(command: list[str], seconds: float, log: Path, env: dict | None = None, cwd: Path | None = None) -> dict:
     """`command` in a time slice of its own, under a supervisor process (`supervise`); what it reported."""
     done = subprocess.run([sys.executable, "-m", "bookbuild.gpu_check", "slice", "--seconds", str(seconds),
-                           "--log", str(log), "--", *command], env={k: v for k, v in (env or os.environ).items() if k != SLICE_MARK},
+                           "--log", str(log), "--", *command],
+                          env={k: v for k, v in (env or os.environ).items() if k != SLICE_MARK},
                           cwd=cwd or ROOT, capture_output=True, text=True, timeout=seconds + 120)
     lines = done.stdout.strip().splitlines()
     if done.returncode or not lines:
@@ -488,7 +490,8 @@ def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str,
                       mismatch_chapter(moe, routing.sequences, m.min_len, routing.max_len)),
         "07_lora": max(toy(training_bytes(dense, rl_tokens(profile.grpo))), real_merge()),
         "08_sensitive_ops": toy(scoring_bytes(dense, 16, TOY_PROMPT + task.completion_length(profile.task.max_walk))),
-        # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096; the real model stays on the CPU
+        # the n x 2n and 2n x n operands in fp32, bf16 and FP8, and the outputs, n = 4096; the real model stays
+        # on the CPU
         "09_fp8": toy(36 * 4096 ** 2, 4 * SMOLLM2.parameters),
         # one GRPO process, and two on the one GPU when only one is there
         "10_scaling_out": toy(2 * training_bytes(dense, rl_tokens(profile.rl)), HOST_BASE),
@@ -540,12 +543,14 @@ def _execute(stem: str, work: Path, seconds: float, env: dict | None = None) -> 
     jupytext.write(notebook, plain)
     log = work / f"{stem}.log"
     done = run_slice([sys.executable, "-m", "papermill", "--no-progress-bar", str(plain), str(executed),
-                      "-p", "profile", "gpu", "--cwd", str(ROOT)], seconds, log, env={**(env or os.environ), CHAPTER: stem})
+                      "-p", "profile", "gpu", "--cwd", str(ROOT)], seconds, log,
+                     env={**(env or os.environ), CHAPTER: stem})
     if done["overran"]:
         return done["seconds"], f"stopped after its {seconds:.0f} s slice ({len(done['ended'])} processes ended)"
     if not executed.is_file():  # papermill stopped before the notebook ran: no kernel, an import error, memory
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        return done["seconds"], last[-1] if last else f"papermill exited with {done['returncode']} and wrote no notebook"
+        return done["seconds"], (last[-1] if last else
+                                 f"papermill exited with {done['returncode']} and wrote no notebook")
     try:
         if done["returncode"]:
             pipeline._accept_expected_errors(executed)

