@@ -931,15 +931,15 @@ def forest_figure(rows: list[tuple[str, float, float]], target: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.6 * len(rows)))
+    fig, ax = plt.subplots(figsize=(7, 1.0 + 0.6 * len(rows)))
     for y, (label, gap, noise) in enumerate(reversed(rows)):
         ax.errorbar(gap, y, xerr=noise, fmt="o", color="#1565c0", capsize=4)
     ax.axvline(0, color="#424242", lw=1)
     ax.set_yticks(range(len(rows)), [label for label, _, _ in reversed(rows)], fontsize=11)
-    ax.set_xlabel("difference in score, the mean of the last three π-evals (95% interval)", fontsize=11)
+    ax.set_xlabel("difference in score, with its 95% interval", fontsize=11)
     fig.tight_layout()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(target, format="svg")
+    fig.savefig(target, format="svg", bbox_inches="tight")
     plt.close(fig)
     return target
 
@@ -1053,7 +1053,7 @@ def page(root: Path, site: Path) -> str:
               "this build: *shown*, *unresolved* (measured, within its noise) or *not tested*.", "",
               f"```{{figure}} {FIGURES}/chain.svg", ":name: findings-chain", "",
               "The causal chain; each arrow's colour and label come from the chapter that decides it.", "```", "",
-              "```{table}", ":class: findings-narrow", "",
+              "```{table}", ":class: findings-links", "",
               table(["link", "status", "decided in"],
                     [[text, f"*{status}*", f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"]
                      for text, status, chapter in links]), "```", ""]
