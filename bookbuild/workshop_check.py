@@ -110,7 +110,7 @@ def _workload_model(shape: str):
 
 
 def workload(threads: int | None = None, budget: float = 0.4) -> dict:
-    """Seconds of one forward pass of each workload shape in each dtype (the median of passes run for about
+    """Seconds of one forward pass of each workload shape in each dtype (the fastest of passes run for about
     `budget` seconds after one warm-up pass), with `threads` torch threads (default: torch's own)."""
     import torch
 
@@ -131,7 +131,7 @@ def workload(threads: int | None = None, budget: float = 0.4) -> dict:
                         start = time.perf_counter()
                         model(input_ids=ids)
                         passes.append(time.perf_counter() - start)
-                seconds[f"{shape}.{name}"] = statistics.median(passes)
+                seconds[f"{shape}.{name}"] = min(passes)  # the least disturbed by other work on the machine
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
