@@ -65,7 +65,8 @@ def _rounding(metrics: dict, glued: dict) -> tuple[str, str]:
 def _preflight(metrics: dict, glued: dict) -> tuple[str, str]:
     """Exercise 02-1: the error codes preflight names, a function of dtypes and settings only."""
     before, after = (str(glued.get(k, "?")).strip("'\"") for k in ("ex_errors_before", "ex_errors_after"))
-    return (f"before the cast: {before}; after it: {after}",
+    codes = ", ".join(f"`{code.strip()}`" for code in before.split(","))  # preflight's finding codes
+    return (f"before the cast, `PrecisionConfigError` with {codes}; after it, {after}",
             "a check of dtypes and settings: the same with these library versions on any seed or CPU")
 
 
@@ -573,7 +574,7 @@ def teachers(root: Path) -> list[str]:
             for e in block.exercises:
                 metrics = flatten(results.get(e.stem, {}).get("metrics", {}))
                 expected, basis = e.spread(metrics, values(e.stem)) if e.spread else ("the reasoning", "–")
-                rows.append([f"{e.stem} exercise {e.number}", expected, basis])
+                rows.append([f"{{doc}}`../chapters/{e.stem}`, exercise {e.number}", expected, basis])
             lines += [status.table(["exercise", "participants should see", "from"], rows), ""]
         if block.prompts:
             lines += ["*For the discussion:*", ""] + [f"- {p}" for p in block.prompts] + [""]
