@@ -572,7 +572,7 @@ def stacks_table(read: Reader) -> str:
     rows = []
     for s in STACKS:
         chapter = (s.real or s.toy).split(":")[0]
-        rows.append([f"{s.setup} ({s.note})" if s.note else s.setup, value(s.real, read), value(s.toy, read.toy),
+        rows.append([f"{s.setup}; {s.note}" if s.note else s.setup, value(s.real, read), value(s.toy, read.toy),
                      f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"])
     return table(["your set-up", "real 135M model", "toy model, mechanism only", "chapter"], rows)
 
