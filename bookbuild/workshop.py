@@ -90,7 +90,7 @@ def _interval(value: str, low: str, high: str, what: str, digits: str = ".2f") -
     return spread
 
 
-def _seed_range(key: str, what: str, digits: str = ".1%") -> Spread:
+def _seed_range(key: str, what: str, digits: str = ".2%") -> Spread:
     """The range of a value over the seeds the chapter ran (`key` holds the list)."""
     def spread(metrics, glued):
         values = metrics.get(key)
