@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SEEDS = (0, 1)  # the book's seed, and the second seed chapter 0's first exercise runs
+SEEDS = (0,)  # the book's seed: every exercise of the workshop plan runs on it
 
 
 def prepare(profile_name: str = "cpu") -> list[str]:
