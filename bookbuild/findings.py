@@ -181,6 +181,15 @@ def _during_rl(m) -> str:
             f"{m('05_grpo_precision:real.rl.long.fp32_fp32.eval_end'):.2f} in the fp32 control")
 
 
+def _headroom(m) -> str:
+    """Chapter 8's fp16 headroom of the real model: how far its largest activation sits below fp16's maximum."""
+    place = {"residual": "residual stream", "attention_scores": "attention scores",
+             "mlp_hidden": "MLP hidden activation"}[m("08_sensitive_ops:real.tightest")]
+    return (f"SmolLM2-135M's largest activation, in its {place}, sits only "
+            f"{m('08_sensitive_ops:real.min_headroom'):.1f}× below fp16's largest value: measure a model's headroom "
+            "before moving its engines to fp16")
+
+
 def _bf16_ratio(m) -> tuple[float, float, float]:
     key = "04b_real_mismatch:real.ratio.bf16_over_fp16"
     return m(key), m(f"{key}_low"), m(f"{key}_high")
@@ -405,6 +414,7 @@ VLLM_BATCH_INVARIANT=1 vllm serve <model> --dtype float16""", lang="bash")),
                              f"{_ci(*_bf16_ratio(m), 0)}; "
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
          Evidence("05_grpo_precision", "The committed long run", SHOWN, lambda m: _during_rl(m)),
+         Evidence("08_sensitive_ops", "Where fp16 overflows", SHOWN, _headroom),
          Evidence("05b_sampler_precision", "The pre-registered fix comparison", _fix_kind, _fix_numbers),
          Evidence("05_grpo_precision", "The source's table, and this run", NOT_SHOWN,
                   lambda m: "fp16's speed on an A100 or H100 and the paper's reward curves need a GPU")),
@@ -1001,6 +1011,11 @@ def checklist(c: Context) -> list[str]:
                      f"{ratio:.0f}× their token KL (95% interval {low:.0f}–{high:.0f}).")
     except KeyError:
         fp16_gain = ""
+    try:
+        headroom = (f"First measure the model's largest activations: the real 135M model's sit only "
+                    f"{c.read('08_sensitive_ops:real.min_headroom'):.1f}× below fp16's largest value (chapter 8).")
+    except KeyError:
+        headroom = ""
     return [
         "## Check these five things", "",
         f"1. **Adapters in fp32.** trl casts a 4-bit model's LoRA trainables to bf16, where small updates are "
@@ -1009,7 +1024,8 @@ def checklist(c: Context) -> list[str]:
         f"DeepSpeed needs `\"fp16\": {{\"enabled\": true, \"loss_scale\": 0}}` ({card('fp16')}).",
         f"3. **One 16-bit format in sampler and trainer, fp16 where you can.** {fp16_gain} Both in fp16: "
         f"`GRPOConfig(fp16=True)` with `trl vllm-serve --dtype float16`, or in verl "
-        f"`actor_rollout_ref.rollout.dtype=float16` and the actor's `fsdp_config.dtype=float16` ({card('bf16')}).",
+        f"`actor_rollout_ref.rollout.dtype=float16` and the actor's `fsdp_config.dtype=float16` ({card('bf16')}). "
+        f"{headroom}",
         "4. **Log the mismatch.** trl `sampling/sampling_logp_difference/mean`, verl `rollout_corr/k3_kl`, "
         "NeMo-RL `train/token_mult_prob_error` ({ref}`what to watch <findings-logs>`).",
         f"5. **Log-probabilities in fp32.** `logits.float().log_softmax(-1)`; in trl "
