@@ -168,11 +168,12 @@ class Profile:
     scaler_steps: int  # chapter 3's loss-scaled fp16 runs on the lab's model, per scaler setting
     bf16_native: bool = True  # False on a CUDA GPU below compute capability 8.0: bf16 runs emulated there
     # the CPU build's real-model runs: chapter 4b's speed at 8 x 32 tokens (the serving-sized 32 x 512 is the
-    # committed `make speed` run), chapter 2's three QLoRA fixes one GRPO step each
+    # committed `make speed` run), chapter 2's three QLoRA fixes four GRPO steps each (speed timed after the
+    # first) of answers up to 12 tokens, as in the real-model RL task they train on
     real: RealPlan = RealPlan(sequences=(("bf16", 8), ("fp16", 4), ("fp32", 2)), length=1024, short_length=256,
                               exact_sequences=4, micro_batch=2, sample_batch=8, probe_sequences=4, probe_length=64,
                               probe_layers=(30, 15, 8, 3), speed_batch=8, speed_length=32,
-                              fix_steps=1, fix_batch=4, fix_completion=24)
+                              fix_steps=4, fix_batch=4, fix_completion=12)
     # chapter 5's real-model RL in this build: a smoke test (fp16 steps take a minute each on a CPU); the
     # question is answered by the committed long run (make long-real, labutils.real_rl.LONG)
     real_rl: RealRlPlan = RealRlPlan(steps=1, prompts_per_step=1, group=2, lr=1e-5, max_new_tokens=12,
