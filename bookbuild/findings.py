@@ -181,6 +181,17 @@ def _during_rl(m) -> str:
             f"{m('05_grpo_precision:real.rl.long.fp32_fp32.eval_end'):.2f} in the fp32 control")
 
 
+def _trl_length_penalty(m) -> str:
+    """Chapter 4b: trl's default sequence-level correction weighs long bf16 completions less than short ones."""
+    n, ratio = m("04b_real_mismatch:real.trl_is.long_length"), m("04b_real_mismatch:real.trl_is.bf16_long_over_short")
+    if not m("04b_real_mismatch:real.trl_is.bf16_long_downweighted"):
+        return (f"trl's default correction gave {n}-token bf16 completions {ratio:.2f}× the weight of 128-token ones, "
+                "within two standard errors: no length penalty resolved here")
+    return (f"trl's default correction (a mask on the whole sequence's ratio) gave {n}-token bf16 completions {ratio:.2f}× the "
+            "weight of 128-token ones, a length penalty: `vllm_importance_sampling_mode=\"token_truncate\"` or "
+            "fp16 engines avoid it")
+
+
 def _headroom(m) -> str:
     """Chapter 8's fp16 headroom of the real model: how far its largest activation sits below fp16's maximum."""
     place = {"residual": "residual stream", "attention_scores": "attention scores",
@@ -415,6 +426,8 @@ VLLM_BATCH_INVARIANT=1 vllm serve <model> --dtype float16""", lang="bash")),
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
          Evidence("05_grpo_precision", "The committed long run", SHOWN, lambda m: _during_rl(m)),
          Evidence("08_sensitive_ops", "Where fp16 overflows", SHOWN, _headroom),
+         Evidence("04b_real_mismatch", "What trl's default correction does to long completions", SHOWN,
+                  _trl_length_penalty),
          Evidence("05b_sampler_precision", "The pre-registered fix comparison", _fix_kind, _fix_numbers),
          Evidence("05_grpo_precision", "The source's table, and this run", NOT_SHOWN,
                   lambda m: "fp16's speed on an A100 or H100 and the paper's reward curves need a GPU")),
