@@ -21,7 +21,7 @@ from .layout import ROOT, chapters
 BOOKKEEPING = re.compile(r"\bglue\(|\.record\(|display=False|\.format\(|:\.\d+[gfe%]|f\"|f'|\.map\(|"
                          r"pd\.DataFrame\(|pd\.Series\(")
 HIDDEN = re.compile(r"remove-input|remove-cell|hide-input|hide-cell|parameters")
-WORDS_AT_MOST, BOOKKEEPING_AT_MOST, WIDTH_AT_MOST = 2500, 0.05, 100
+WORDS_AT_MOST, BOOKKEEPING_AT_MOST, WIDTH_AT_MOST = 2500, 0.05, 93
 
 
 @dataclass(frozen=True)
