@@ -89,8 +89,16 @@ def _coarse_degrades(basis, bits, slope, low, high, runs, settings, effect_slope
         _comparison(-slope, (high - low) / 2, settings - 1, effect=effect_slope), seq_kl)
 
 
+def _run_label(name: str) -> str:
+    """A long-run arm's name as a reader reads it: `m2_tis` is token TIS on the 2-bit sampler."""
+    sampler, _, fix = name.partition("_")
+    bits = f"the {sampler[1:]}-bit sampler" if sampler.startswith("m") and sampler[1:].isdigit() else sampler
+    return f"token TIS on {bits}" if fix == "tis" else bits
+
+
 def _restores(basis, fix, bits, seeds, gap_m, noise_m, gap_f, noise_f, gap_fm, noise_fm):
     """The correction restores training: it beats the uncorrected run and reaches the matched one."""
+    fix = _run_label(fix)
     measured = (f"{basis}, {seeds} paired seeds: matched vs uncorrected sampler with {bits} emulated mantissa bits "
                 f"{gap_m:+.3f} (±{noise_m:.3f}); {fix} vs uncorrected {gap_f:+.3f} (±{noise_f:.3f}); {fix} vs matched "
                 f"{gap_fm:+.3f} (±{noise_fm:.3f}) score")
