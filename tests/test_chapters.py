@@ -59,7 +59,9 @@ REQUIRED_METRICS = {
     + [f"grid.{t}_{i}.token_kl" for t in ("fp32", "bf16", "fp16") for i in ("fp32", "bf16", "fp16")],
     "04b_real_mismatch": ["real.model", "real.parameters", "real.vocab_size", "real.max_len",
                           "real.ratio.bf16_over_fp16", "perf.real.sample_over_forward.bf16",
-                          "perf.real.sample_over_forward.fp16"]
+                          "perf.real.sample_over_forward.fp16", "real.token_kl.bf16_train_fp32_infer",
+                          "real.token_kl_stderr.bf16_train_fp32_infer", "real.bf16_train_fp32_infer_vs_bf16",
+                          "real.trl_is.bf16_long_over_short", "real.trl_is.bf16_long_downweighted"]
     + [f"real.{m}.{p}" for m in ("token_kl", "token_kl_stderr", "k3", "k3_stderr", "seq_kl_1k", "slope_per_1k",
                                  "slope_stderr_per_1k") for p in ("fp32", "bf16", "fp16")],
     "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp16_fp16_unscaled",
