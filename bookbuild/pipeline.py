@@ -378,7 +378,7 @@ def stage(root: Path = ROOT) -> None:
         participants, blocks = solutions.split(hide_parameters(executed))
         _write_if_changed(nbformat.writes(participants), SITE / "chapters" / f"{stem}.ipynb")
         taught.append((stem, solutions.title(executed), blocks, solutions.glued(executed)))
-    _write_if_changed(solutions.page(taught), SITE / "appendix" / "solutions.md")
+    _write_if_changed(solutions.page(taught, workshop.teachers(ROOT)), SITE / "appendix" / "solutions.md")
     _stage_mathjax()
     # generated pages: read from this build's results, so their numbers are this run's
     _write_if_changed(findings.page(root, SITE), SITE / "findings.md")

@@ -53,18 +53,15 @@ def fill(text: str, values: dict[str, str]) -> str:
     return DOC.sub(lambda m: f"{{doc}}`../chapters/{m.group(1)}`", GLUE.sub(value, text))
 
 
-def page(chapters: list[tuple[str, str, list[str], dict[str, str]]], root: Path | None = None) -> str:
+def page(chapters: list[tuple[str, str, list[str], dict[str, str]]], notes: list[str] = ()) -> str:
     """The teacher's page from (stem, title, solutions blocks, glued values) per chapter, after the workshop's
-    teaching notes read from the results under `root` (the book's by default)."""
-    from . import workshop
-    from .layout import ROOT
-
+    teaching notes (`workshop.teachers`)."""
     lines = ["# Solutions, for teachers", "",
              "The workshop's teaching notes, then the exercises' solutions, out of the participants' pages. Each "
              "solution quotes the numbers its chapter measured in this build; a participant's own run (another "
              "seed, another machine) draws other numbers, and the reasoning, not the digits, is what should "
              "match.", ""]
-    lines += workshop.teachers(root or ROOT)
+    lines += list(notes)
     lines += ["## Solutions", ""]
     for stem, title, blocks, values in chapters:
         if not blocks:

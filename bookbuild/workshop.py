@@ -308,16 +308,16 @@ def reference(root: Path, record: bool = True) -> dict:
     """The build's speed reference for the participants' check: the workload timed on this machine, the
     exercises' cell times and the install footprint. With `record`, timed again when a chapter ran after the
     last timing; without, only read ({} where there is none)."""
-    from . import workshop_check
+    from . import workshop_speed
 
-    path = root / workshop_check.REFERENCE
+    path = root / workshop_speed.REFERENCE
     results = list((root / "_build" / "results").glob("*.json"))
     newest = max((p.stat().st_mtime for p in results), default=0.0)
     data = json.loads(path.read_text()) if path.is_file() else None
     if not record:
         return data or {}
     if data is None or path.stat().st_mtime < newest or "footprint" not in data:
-        data = workshop_check.record_reference(path) | {"footprint": footprint()}
+        data = workshop_speed.record_reference(path) | {"footprint": footprint()}
     data["exercises"] = exercise_rows(root)
     text = json.dumps(data, indent=1) + "\n"
     if not path.is_file() or path.read_text() != text:
@@ -446,9 +446,9 @@ def page(root: Path, site: Path | None = None) -> str:
     times = status.timings(root)
     ref = reference(root, record=site is not None)  # the build records; a preview only reads
     if site is not None:
-        from . import workshop_check
+        from . import workshop_speed
 
-        _copy(root / workshop_check.REFERENCE, site / "appendix" / FIGURES / "reference.json")
+        _copy(root / workshop_speed.REFERENCE, site / "appendix" / FIGURES / "reference.json")
     rows = []
     for b in PLAN:
         chapters = "; ".join(f"{s} ({status.seconds(times[s]['build'])})" for s in b.chapters) or "–"

@@ -61,7 +61,7 @@ def test_every_chapter_with_exercises_has_its_solutions_block():
 def test_the_teachers_page_opens_with_the_workshops_teaching_notes(tmp_path):
     from bookbuild import workshop
 
-    text = solutions.page([], root=tmp_path)
+    text = solutions.page([], workshop.teachers(tmp_path))
     assert text.index("## Teaching the workshop") < text.index("## Solutions")
     for block in workshop.PLAN:
         for belief, _ in block.misconceptions:

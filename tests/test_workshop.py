@@ -1,7 +1,7 @@
 """The workshop page is a teaching plan built from this build's chapters and results."""
 import json
 
-from bookbuild import pipeline, workshop, workshop_check
+from bookbuild import pipeline, workshop, workshop_check, workshop_speed
 
 
 def test_the_plan_fits_three_hours_with_the_exercises_inside_the_blocks():
@@ -20,7 +20,7 @@ def test_every_block_with_chapters_has_objectives_exercises_misconceptions_and_p
             assert block.misconceptions and 2 <= len(block.prompts) <= 3, block.name
             assert f"### {block.name}" in page
         for e in block.exercises:
-            assert e.stem in pipeline.chapters() and e.workload in workshop_check.SHAPES
+            assert e.stem in pipeline.chapters() and e.workload in workshop_speed.SHAPES
             title = workshop._exercise_title(pipeline.ROOT, e.stem, e.number)
             assert title != f"exercise {e.number}" and title.rstrip(".") in page  # the chapter has that exercise
             # the cell whose time is the exercise's run is in the chapter's Exercises section
@@ -52,9 +52,9 @@ def test_cell_times_come_from_papermills_record_of_each_cell(tmp_path):
 
 
 def test_the_check_scales_each_run_by_its_workloads_ratio_and_keeps_the_thinking_time():
-    reference = {"seconds": {f"{s}.{d}": 1.0 for s in workshop_check.SHAPES for d in workshop_check.DTYPES}}
+    reference = {"seconds": {f"{s}.{d}": 1.0 for s in workshop_speed.SHAPES for d in workshop_speed.DTYPES}}
     here = {"seconds": {**{k: 2.0 for k in reference["seconds"]}, "real.bfloat16": 8.0}}
-    scale = workshop_check.ratios(here, reference)
+    scale = workshop_speed.ratios(here, reference)
     assert scale == {"toy": (2.0, 2.0), "real": (2.0, 8.0)}
     rows = [{"label": "01 exercise 1", "block": "B", "minutes": 10, "workload": "toy", "own_seconds": 60.0,
              "first_seconds": 30.0},
@@ -62,7 +62,7 @@ def test_the_check_scales_each_run_by_its_workloads_ratio_and_keeps_the_thinking
              "first_seconds": 30.0},
             {"label": "03 exercise 1", "block": "B", "minutes": 10, "workload": "toy", "own_seconds": None,
              "first_seconds": None}]
-    toy, real, missing = workshop_check.expected_minutes(rows, scale)
+    toy, real, missing = workshop_speed.expected_minutes(rows, scale)
     assert "11 min" in toy and "1.0–4.0 min" in toy  # 9 + 1·2 min of run; 0.5 min above it, 2 to 8 times
     assert "11–17 min" in real
     assert "not in the build" in missing
@@ -106,7 +106,7 @@ def test_the_build_records_the_speed_reference_once_per_executed_build(tmp_path,
         path.write_text(json.dumps(data))
         return data
 
-    monkeypatch.setattr(workshop_check, "record_reference", fake_record)
+    monkeypatch.setattr(workshop_speed, "record_reference", fake_record)
     monkeypatch.setattr(workshop, "footprint", lambda: {"environment_bytes": 2})
     (tmp_path / "_build" / "results").mkdir(parents=True)
     first = workshop.reference(tmp_path)
@@ -127,8 +127,8 @@ def test_the_crash_block_quotes_the_gpu_error_only_from_a_committed_run(tmp_path
 
 
 def test_the_workload_times_every_shape_and_dtype():
-    timed = workshop_check.workload(threads=1, budget=0.05)
-    assert set(timed["seconds"]) == {f"{s}.{d}" for s in workshop_check.SHAPES for d in workshop_check.DTYPES}
+    timed = workshop_speed.workload(threads=1, budget=0.05)
+    assert set(timed["seconds"]) == {f"{s}.{d}" for s in workshop_speed.SHAPES for d in workshop_speed.DTYPES}
     assert all(v > 0 for v in timed["seconds"].values()) and timed["threads"] == 1
 
 
