@@ -184,11 +184,12 @@ def _during_rl(m) -> str:
 def _trl_length_penalty(m) -> str:
     """Chapter 4b: trl's default sequence-level correction weighs long bf16 completions less than short ones."""
     n, ratio = m("04b_real_mismatch:real.trl_is.long_length"), m("04b_real_mismatch:real.trl_is.bf16_long_over_short")
+    short = m("04b_real_mismatch:real.trl_is.short_length")
     if not m("04b_real_mismatch:real.trl_is.bf16_long_downweighted"):
-        return (f"trl's default correction gave {n}-token bf16 completions {ratio:.2f}× the weight of 128-token ones, "
+        return (f"trl's default correction gave {n}-token bf16 completions {ratio:.2f}× the weight of {short}-token ones, "
                 "within two standard errors: no length penalty resolved here")
     return (f"trl's default correction (a mask on the whole sequence's ratio) gave {n}-token bf16 completions {ratio:.2f}× the "
-            "weight of 128-token ones, a length penalty: `vllm_importance_sampling_mode=\"token_truncate\"` or "
+            f"weight of {short}-token ones, a length penalty: `vllm_importance_sampling_mode=\"token_truncate\"` or "
             "fp16 engines avoid it")
 
 

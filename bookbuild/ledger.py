@@ -114,11 +114,12 @@ def _restores(basis, fix, bits, seeds, gap_m, noise_m, gap_f, noise_f, gap_fm, n
     return measured, f"{INCONCLUSIVE} (power {power(gap_f, noise_f, seeds - 1):.0%} for the fix's gain)"
 
 
-def _crash_flag(bf16_builds, fp16_builds, bf16_error):
+def _crash_flag(bf16_builds, fp16_builds, bf16_error, real_bf16_error):
     """Which flag builds the GradScaler whose unscale step raises the error: read from accelerate's installed source."""
     measured = (f"accelerate's installed source assigns a GradScaler under fp16 mixed precision: {fp16_builds}; "
-                f"under bf16: {bf16_builds}; this build's bf16=True trainer raised {bf16_error!r}")
-    if "BFloat16" in bf16_error:
+                f"under bf16: {bf16_builds}; this build's bf16=True trainer raised {bf16_error!r} on the toy and "
+                f"{real_bf16_error!r} on the real model")
+    if "BFloat16" in bf16_error or "BFloat16" in real_bf16_error:
         return measured, CONFIRMED
     if fp16_builds and not bf16_builds:
         return measured, CONTRADICTED + " (only fp16=True builds the scaler whose unscale step raises it)"
@@ -206,8 +207,8 @@ def _slope_is_variance(slope, se, drift):
 
 CLAIMS = [
     Claim("crash", "The `_amp_foreach_non_finite_check_and_unscale_cuda` … 'BFloat16' error comes from `bf16=True`.",
-          "", "02_qlora_crash", ("source.bf16_builds_scaler", "source.fp16_builds_scaler", "fix.bf16.error"),
-          _crash_flag),
+          "", "02_qlora_crash", ("source.bf16_builds_scaler", "source.fp16_builds_scaler", "fix.bf16.error",
+                                "real.fix.bf16.error"), _crash_flag),
     Claim("crash", "trl casts the trainable parameters of a quantized (QLoRA) model to bf16.", "",
           "02_qlora_crash", ("audit.trainable_dtypes",),
           lambda dtypes: (f"trainable dtypes after building the trainer: {dtypes}",
@@ -215,15 +216,17 @@ CLAIMS = [
     Claim("crash", "With QLoRA, trl forces an fp16 GradScaler on even when `bf16=True`.", "", "02_qlora_crash",
           ("fix.bf16.scaler_class", "source.bf16_builds_scaler"), _scaler_forced),
     Claim("crash", "Training everything in fp32 uses the least memory.", "", "02_qlora_crash",
-          ("fix.fp32.peak_mem_mb", "fix.bf16.peak_mem_mb", "fix.fp16_fp32_trainables.peak_mem_mb", "fix.mem_tolerance_mb"),
+          ("real.fix.fp32.peak_mem_mb", "real.fix.bf16.peak_mem_mb", "real.fix.fp16_fp32_trainables.peak_mem_mb",
+           "fix.mem_tolerance_mb"),
           lambda f32, b16, f16, tol: (
-              f"peak memory per fix (CUDA's peak allocation on a GPU, process RSS on a CPU): fp32 {f32:.0f} MB, bf16 {b16:.0f} MB, fp16+fp32 trainables {f16:.0f} MB "
-              f"(differences under {tol:.1f} MB, the run-to-run spread, not claimed)",
+              f"peak memory per fix on the real model (CUDA's peak allocation on a GPU, process RSS on a CPU): fp32 "
+              f"{f32:.0f} MB, bf16 {b16:.0f} MB, fp16+fp32 trainables {f16:.0f} MB (differences under {tol:.1f} MB, "
+              "the toy's run-to-run spread, not claimed)",
               CONFIRMED if f32 < min(b16, f16) - tol else CONTRADICTED if f32 > min(b16, f16) + tol else INCONCLUSIVE),
           device="gpu"),
     Claim("crash", "fp32 training is about 40% slower.", "", "02_qlora_crash",
-          ("fix.fp32.it_per_s", "fix.fp16_fp32_trainables.it_per_s"),
-          lambda f32, f16: (f"it/s fp32 {f32:.2f} vs fp16=True {f16:.2f}",
+          ("real.fix.fp32.it_per_s", "real.fix.fp16_fp32_trainables.it_per_s"),
+          lambda f32, f16: (f"real model, it/s fp32 {f32:.2f} vs fp16=True {f16:.2f}",
                             CONFIRMED if 0.25 <= 1 - f32 / f16 <= 0.55 else CONTRADICTED), device="gpu"),
     Claim("fp16", "BF16 has 7 mantissa bits (spacing ~0.0078 at 1), FP16 10 (~0.00098).", "", "01_number_formats",
           ("eps.bfloat16", "eps.float16"),

@@ -46,18 +46,21 @@ def weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, clip_min: fl
 
 def by_length(log_ratio: torch.Tensor, lengths: tuple[int, ...], mode: str, clip_min: float | None = None,
               clip_max: float | None = 3.0) -> dict[int, dict]:
-    """For completions cut to each length n (the first n tokens of every row): the mean weight a sequence mode
-    gives a completion, its standard error over the rows, and the share of completions masked (weight 0) or
-    clipped (weight at a bound)."""
+    """For completions cut to each length n (the first n tokens of every row): the mean weight of a completion
+    (a token mode's mean over its tokens), its standard error over the rows, and the share of completions (sequence
+    modes) or tokens (token modes) masked to 0 or clipped at a bound."""
     found = {}
     for n in lengths:
         if n > log_ratio.shape[1]:
             raise ValueError(f"length {n} is past the {log_ratio.shape[1]} tokens each row has.")
         part = log_ratio[:, :n].double()
-        w = weights(part, torch.ones_like(part), mode, clip_min, clip_max).reshape(len(part), -1).mean(-1)
-        raw = torch.exp(part.sum(-1))
+        w = weights(part, torch.ones_like(part), mode, clip_min, clip_max)
+        # the ratio before the cut, per completion or per token as the mode takes it
+        raw = torch.exp(part.sum(-1, keepdim=True) if mode.startswith("sequence") else part)
         at_bound = (w == 0) & (raw > 0) if mode.endswith("mask") else (w != raw)
-        found[n] = {"mean": float(w.mean()), "se": float(w.std(unbiased=True) / math.sqrt(len(w))) if len(w) > 1
+        per_row = w.mean(-1)
+        found[n] = {"mean": float(per_row.mean()),
+                    "se": float(per_row.std(unbiased=True) / math.sqrt(len(per_row))) if len(per_row) > 1
                     else float("nan"), "cut_share": float(at_bound.double().mean()),
                     "mean_log_ratio": float(part.sum(-1).mean())}
     return found

@@ -12,9 +12,10 @@ def _claim(chapter, words):
 
 def test_bf16_error_claim_reads_the_installed_source_on_any_device():
     judge = _claim("02_qlora_crash", "error comes from `bf16=True`").judge
-    assert judge(False, True, "none")[1].startswith(ledger.CONTRADICTED)  # this accelerate: the CPU and CUDA alike
-    assert judge(True, True, BFLOAT16)[1] == ledger.CONFIRMED  # a bf16 trainer that raised it decides
-    assert judge(True, True, "none")[1] == ledger.INCONCLUSIVE  # a source where both flags build one
+    assert judge(False, True, "none", "none")[1].startswith(ledger.CONTRADICTED)  # this accelerate: CPU and CUDA alike
+    assert judge(True, True, BFLOAT16, "none")[1] == ledger.CONFIRMED  # a bf16 trainer that raised it decides
+    assert judge(True, True, "none", BFLOAT16)[1] == ledger.CONFIRMED  # on the real model as on the toy
+    assert judge(True, True, "none", "none")[1] == ledger.INCONCLUSIVE  # a source where both flags build one
 
 
 def test_forced_scaler_claim_reads_the_trainer_and_the_source():
@@ -44,6 +45,6 @@ def test_speed_claim_is_a_gpu_claim():
 
 def test_rl_mismatch_claim_reads_chapter_5s_own_noise_test():
     judge = _claim("05_grpo_precision", "removes most").judge
-    assert judge(12.0, 8.0, 1.3)[1] == ledger.CONFIRMED  # fp16 below every bf16 seed, beyond chance's factor
-    assert judge(12.0, 1.2, 1.3)[1] == ledger.INCONCLUSIVE  # within what chance moved bf16/bf16
-    assert judge(0.5, 0.4, 1.3)[1] == ledger.CONTRADICTED  # fp16's mismatch above bf16's beyond chance
+    assert judge(76.0, 52.0, True)[1] == ledger.CONFIRMED  # the chapter decided fp16 below half of bf16, beyond SE
+    assert judge(1.5, 1.2, False)[1] == ledger.INCONCLUSIVE  # not decided by the chapter
+    assert judge(0.5, 0.4, False)[1] == ledger.CONTRADICTED  # fp16's mismatch above bf16's at both ends

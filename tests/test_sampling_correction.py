@@ -48,6 +48,9 @@ def test_sequence_mask_zeroes_a_completion_whose_weight_passes_the_cap():
     assert w[0, 0] == 0 and w[1, 0] == pytest.approx(math.exp(-0.5))
     found = sampling_correction.by_length(log_ratio, (1, 2), "sequence_mask")
     assert found[2]["cut_share"] == 0.5 and found[1]["cut_share"] == 0.0
+    tokens = sampling_correction.by_length(torch.tensor([[0.5, 1.5]]), (2,), "token_truncate", None, 3.0)
+    assert tokens[2]["cut_share"] == 0.5  # e^1.5 > 3 is clipped, e^0.5 is not
+    assert tokens[2]["mean"] == pytest.approx((math.exp(0.5) + 3.0) / 2)
     with pytest.raises(ValueError, match="past the 2 tokens"):
         sampling_correction.by_length(log_ratio, (3,), "sequence_mask")
     with pytest.raises(ValueError, match="not one of trl's"):
