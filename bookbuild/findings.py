@@ -207,6 +207,17 @@ def _bf16_ratio(m) -> tuple[float, float, float]:
     return m(key), m(f"{key}_low"), m(f"{key}_high")
 
 
+def _slope_said(m) -> str:
+    """Chapter 4b's fitted drift of the bf16 sequence log-ratio beside the drift its token KL implies."""
+    try:
+        slope, se = m("04b_real_mismatch:real.slope_per_1k.bf16"), m("04b_real_mismatch:real.slope_stderr_per_1k.bf16")
+        drift = m("04b_real_mismatch:real.seq_kl_1k.bf16")
+    except KeyError:
+        return "the fitted drift is not in this build"
+    return (f"the sequence log-ratio's fitted slope, {slope:+.2f} ± {se:.2f} nats per 1K tokens, agrees with the "
+            f"{-drift:+.2f} its token KL implies but is not 3 standard errors from zero")
+
+
 def _bf16_do(c: Context) -> str:
     """The bf16 situation's advice: its size from chapter 4b's ratio, its growth with length from link 2."""
     try:
@@ -217,8 +228,8 @@ def _bf16_do(c: Context) -> str:
         size = "Expect a training–inference mismatch between the two engines; its size is not measured in this build."
     growth = {SHOWN_LINK: "It accumulates with the response's length: the log-ratio of a sequence drifts in "
                           "proportion to its length (link 2 of the chain below).",
-              UNRESOLVED: "Whether it accumulates with the response's length is unresolved here: the drift of "
-                          "the sequence log-ratio stays within its noise (link 2 of the chain below).",
+              UNRESOLVED: "Whether it accumulates with the response's length is unresolved here: "
+                          + _slope_said(c.read) + " (link 2 of the chain below).",
               AGAINST: "It did not accumulate with the response's length here (link 2 of the chain below).",
               }.get(c.links.get("drift"), "Its growth with the response's length is not measured in this build.")
     restores = c.links.get("restores", NOT_TESTED)
@@ -248,8 +259,14 @@ def _lora_do(c: Context) -> str:
             pass
     except KeyError:
         merged = "what merging adapters into a bf16 sampler adds to the mismatch is not measured in this build"
-    return ("Keep the adapters and Adam's state in fp32; compute in bf16 or fp16. At RL learning rates, bf16 "
-            "adapters lose most of their updates (chapter 7). With a separate sampler, check what the weight sync "
+    try:
+        lost = (f"chapter 7's rounding rule, checked on its runs, predicts bf16 adapters lose "
+                f"{c.read('07_lora:predicted_lost_at_1e_5.bfloat16'):.0%} of their Adam updates at lr 1e-5 (its own "
+                f"runs, at a larger rate, lost {c.read('07_lora:lost_update_fraction.bf16'):.1%})")
+    except KeyError:
+        lost = "bf16 adapters lose small updates (chapter 7)"
+    return ("Keep the adapters and Adam's state in fp32; compute in bf16 or fp16. At RL learning rates "
+            f"{lost}. With a separate sampler, check what the weight sync "
             f"hands it: {merged}. Merging in fp32 before the cast does not help, because the cast rounds the "
             "merged weight.")
 
@@ -389,10 +406,11 @@ quantization = BitsAndBytesConfig(
     bnb_4bit_compute_dtype=torch.float16,
 )""", note="the 4-bit base of a QLoRA model, from bitsandbytes through transformers")),
         (Evidence("02_qlora_crash", "Root cause, in the installed code", SHOWN,
-                  lambda m: (f"installed accelerate builds a scaler for `fp16=True`: "
-                             f"{m('02_qlora_crash:source.fp16_builds_scaler')}, for `bf16=True`: "
-                             f"{m('02_qlora_crash:source.bf16_builds_scaler')}; trl leaves the trainables in "
-                             f"{m('02_qlora_crash:audit.trainable_dtypes')}")),
+                  lambda m: (f"the installed accelerate builds a GradScaler for `fp16=True` "
+                             f"{'and' if m('02_qlora_crash:source.bf16_builds_scaler') else 'but not'} for "
+                             f"`bf16=True`"
+                             f"{'' if m('02_qlora_crash:source.fp16_builds_scaler') else ' (nor for fp16 here)'}; "
+                             f"trl leaves the trainables in {m('02_qlora_crash:audit.trainable_dtypes')}")),
          Evidence("02_qlora_crash", "Reproduce", NOT_SHOWN,
                   lambda m: "the crash itself needs the CUDA unscale kernel: the CPU build shows its mechanism")),
     ),

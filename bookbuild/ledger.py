@@ -37,7 +37,8 @@ class Claim:
 
 
 def _pct(x):
-    return f"{x:.1%}"
+    """A share, with enough digits that a small one is not shown as 0.0%."""
+    return f"{x:.1%}" if x == 0 or x >= 0.01 else f"{100 * x:.2g}%"
 
 
 def _comparison(gap, noise, dof, better_if_positive=True, effect=None):
@@ -116,9 +117,10 @@ def _restores(basis, fix, bits, seeds, gap_m, noise_m, gap_f, noise_f, gap_fm, n
 
 def _crash_flag(bf16_builds, fp16_builds, bf16_error, real_bf16_error):
     """Which flag builds the GradScaler whose unscale step raises the error: read from accelerate's installed source."""
-    measured = (f"accelerate's installed source assigns a GradScaler under fp16 mixed precision: {fp16_builds}; "
-                f"under bf16: {bf16_builds}; this build's bf16=True trainer raised {bf16_error!r} on the toy and "
-                f"{real_bf16_error!r} on the real model")
+    raised = lambda error: "no error" if error == "none" else repr(error)
+    measured = (f"accelerate's installed source builds a GradScaler under fp16 mixed precision: "
+                f"{'yes' if fp16_builds else 'no'}; under bf16: {'yes' if bf16_builds else 'no'}; this build's "
+                f"bf16=True trainer raised {raised(bf16_error)} on the toy and {raised(real_bf16_error)} on the real model")
     if "BFloat16" in bf16_error or "BFloat16" in real_bf16_error:
         return measured, CONFIRMED
     if fp16_builds and not bf16_builds:
@@ -128,7 +130,8 @@ def _crash_flag(bf16_builds, fp16_builds, bf16_error, real_bf16_error):
 
 def _scaler_forced(bf16_scaler, bf16_builds):
     """Whether a bf16=True QLoRA trainer gets a GradScaler: as built here, and as accelerate's source allows."""
-    measured = f"QLoRA trainer with bf16=True as built: scaler {bf16_scaler}; accelerate's source builds one for bf16: {bf16_builds}"
+    measured = (f"QLoRA trainer with bf16=True as built: {'no GradScaler' if bf16_scaler == 'none' else bf16_scaler}; "
+                f"accelerate's source builds one for bf16: {'yes' if bf16_builds else 'no'}")
     if bf16_scaler != "none":
         return measured, CONFIRMED
     return measured, CONTRADICTED if not bf16_builds else INCONCLUSIVE
@@ -271,7 +274,8 @@ CLAIMS = [
                            CONFIRMED if outcome == "changed the output" else CONTRADICTED)),
     Claim("fp16", "Load the MoE policy with `MixtralModel.from_pretrained(...)`.", "", "06_moe",
           ("source.mixtral_model_has_lm_head",),
-          lambda head: (f"MixtralModel has an LM head: {head}", CONTRADICTED if head is False else CONFIRMED)),
+          lambda head: ("MixtralModel has an LM head" if head else "MixtralModel has no LM head: it returns hidden "
+                        "states, not logits", CONTRADICTED if head is False else CONFIRMED)),
     Claim("fp16", "`LoraConfig(..., precision='fp16')` selects FP16 LoRA.", "", "11_troubleshooting",
           ("row.8.reproduced",),
           lambda seen: (seen, CONTRADICTED if "TypeError" in str(seen) else INCONCLUSIVE)),
