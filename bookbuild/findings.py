@@ -214,8 +214,10 @@ def _slope_said(m) -> str:
         drift = m("04b_real_mismatch:real.seq_kl_1k.bf16")
     except KeyError:
         return "the fitted drift is not in this build"
-    return (f"the sequence log-ratio's fitted slope, {slope:+.2f} ± {se:.2f} nats per 1K tokens, agrees with the "
-            f"{-drift:+.2f} its token KL implies but is not 3 standard errors from zero")
+    agrees = "agrees with" if abs(slope + drift) <= 3 * se else "differs from"
+    from_zero = "is not" if abs(slope) < 3 * se else "is"
+    return (f"the sequence log-ratio's fitted slope, {slope:+.2f} ± {se:.2f} nats per 1K tokens, {agrees} the "
+            f"{-drift:+.2f} its token KL implies and {from_zero} 3 standard errors from zero")
 
 
 def _bf16_do(c: Context) -> str:
