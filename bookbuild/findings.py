@@ -812,7 +812,8 @@ def _from_verdict(verdict: str) -> str:
         verdict, NOT_TESTED)
 
 
-LINK_KEYS = ("mismatch", "drift", "degrades", "restores", "scale")
+LINK_KEYS = ("mismatch", "drift", "biased", "restores", "scale")
+LINK_CLAIMS = (None, None, "The mechanism at the update", "Importance-sampling corrections restore the on-policy", None)
 
 
 def chain(root: Path) -> list[tuple[str, str, str]]:
@@ -825,20 +826,35 @@ def chain(root: Path) -> list[tuple[str, str, str]]:
         mismatch = SHOWN_LINK if b - f > 3 * math.hypot(b_se, f_se) else UNRESOLVED  # 3 SE: one-sided, beyond doubt
     else:
         mismatch = NOT_TESTED
-    settled = real.get("real.drift_settled")  # the chapter's own test: the slope powered, and within 3 SE of the drift
-    drift = NOT_TESTED if settled is None else SHOWN_LINK if settled else UNRESOLVED
-    degrades = _from_verdict(_verdict(found, "The mechanism: the larger"))
-    restores = _from_verdict(_verdict(found, "Importance-sampling corrections"))
+    # E[Σ log π/μ] = −Σ KL: the log-ratio accumulates exactly when the per-position KL stays above zero
+    accumulates = (SHOWN_LINK if real.get("real.accumulation.shown") else AGAINST if real.get("real.accumulation.contradicted")
+                   else UNRESOLVED if "real.accumulation.shown" in real else NOT_TESTED)
+    biased = _from_verdict(_verdict(found, "The mechanism at the update"))
+    restores = _from_verdict(_verdict(found, "Importance-sampling corrections restore the on-policy"))
     gpu = NOT_TESTED if not (root / "results" / "gpu" / "05b_sampler_precision.json").is_file() else UNRESOLVED
     return [("bf16 rounding makes the sampler's μ differ from the trainer's π", mismatch, "04b_real_mismatch"),
-            ("the mismatch accumulates along the sequence (log π/μ drifts with length)", drift, "04b_real_mismatch"),
-            ("RL on mismatched samples degrades the policy", degrades, "05b_sampler_precision"),
-            ("an importance-sampling correction restores training", restores, "05b_sampler_precision"),
+            ("the mismatch accumulates along the sequence (the token KL stays above zero at every position)",
+             accumulates, "04b_real_mismatch"),
+            ("GRPO on mismatched samples computes a biased update (it loses the on-policy direction)", biased,
+             "05c_update_direction"),
+            ("an importance-sampling correction restores the update's direction", restores, "05c_update_direction"),
             ("the same at the paper's scale: billions of parameters, GPUs, thousands of steps", gpu, "05b_sampler_precision")]
 
 
+def link_details(root: Path) -> dict[str, str]:
+    """The ledger's reasons (its verdict's parenthesis: the power, the completions that would decide) for the links
+    the update-direction chapter decides, by the link's status word."""
+    found = ledger.entries(root)
+    details = {}
+    for says in ("The mechanism at the update", "Importance-sampling corrections restore the on-policy"):
+        entry = next((e for e in found if e["claim"].says.startswith(says)), None)
+        if entry and " (" in entry["verdict"]:
+            details[says] = entry["verdict"].split(" (", 1)[1].rstrip(")")
+    return details
+
+
 COLOURS = {SHOWN_LINK: "#2e7d32", UNRESOLVED: "#ef6c00", NOT_TESTED: "#757575", AGAINST: "#c62828"}
-CHAIN_NODES = ["bf16 in both engines", "μ ≠ π (token KL)", "log π/μ drifts with length", "policy degrades in RL",
+CHAIN_NODES = ["bf16 in both engines", "μ ≠ π (token KL)", "log π/μ drifts with length", "the update loses direction",
                "a correction restores it", "at the paper's scale"]
 
 
@@ -1070,7 +1086,7 @@ def page(root: Path, site: Path) -> str:
     """The findings page as MyST Markdown; its figures are written under `site/findings/`."""
     runs, gpu = load_all(root / "_build" / "results"), load_all(root / "results" / "gpu")
     read = Reader(runs)
-    links = chain(root)
+    links, details = chain(root), link_details(root)
     c = Context(read, dict(zip(LINK_KEYS, (status for _, status, _ in links))), installed_defaults(), root)
     chain_figure(links, site / FIGURES / "chain.svg")
     decision_figure(site / FIGURES / "decide.svg")
@@ -1098,15 +1114,17 @@ def page(root: Path, site: Path) -> str:
               "```{table}", ":class: findings-stacks", "", stacks_table(read), "```", "",
               "## The central story, link by link", "",
               "The argument of Qi et al. (2025) is a chain: bf16 rounding makes the two engines disagree, the "
-              "disagreement accumulates along a sequence, RL on those samples degrades the policy, and fp16 or an "
-              "importance-sampling correction prevents it. Each link is marked by what the chapters decided in "
-              "this build: *shown*, *unresolved* (measured, within its noise) or *not tested*.", "",
+              "disagreement accumulates along a sequence, RL on those samples computes a biased update and so "
+              "degrades the policy, and fp16 or an importance-sampling correction prevents it. Each link is marked "
+              "by what the chapters decided in this build: *shown*, *contradicted*, *unresolved* (measured, within "
+              "its noise, with the power the measurement had) or *not tested*.", "",
               f"```{{figure}} {FIGURES}/chain.svg", ":name: findings-chain", "",
               "The causal chain; each arrow's colour and label come from the chapter that decides it.", "```", "",
               "```{table}", ":class: findings-links", "",
               table(["link", "status", "decided in"],
-                    [[text, f"*{status}*", f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"]
-                     for text, status, chapter in links]), "```", ""]
+                    [[text, f"*{status}*" + (f" ({details[says]})" if says in details else ""),
+                      f"[{chapter.split('_')[0]}](chapters/{chapter}.ipynb)"]
+                     for (text, status, chapter), says in zip(links, LINK_CLAIMS)]), "```", ""]
     forest = forest_rows(root)
     if forest:
         forest_figure(forest, site / FIGURES / "forest.svg")

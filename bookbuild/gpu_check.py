@@ -43,11 +43,11 @@ NEEDED = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", 
 # `profiles.gpu_trimmed`: the gpu profile's models, groups and lengths, with the cpu build's counts and steps
 # where the gpu profile's would not fit the slice. The lab models' shapes and warm-up are the same for every
 # chapter, so chapter 0 builds them once and the others find them in the lab cache.
-TOTAL_S = 300  # all fourteen slices together: a 15-minute GPU lease, start-up and install included
+TOTAL_S = 300  # all fifteen slices together: a 15-minute GPU lease, start-up and install included
 SLICES: dict[str, tuple[int, dict]] = {
-    "00_lab": (35, {"task": {"eval_problems": 256, "length_problems": 16}}),
+    "00_lab": (33, {"task": {"eval_problems": 256, "length_problems": 16}}),
     "01_number_formats": (12, {}),
-    "02_qlora_crash": (40, {"grpo": {"steps": 2}, "real": {"fix_steps": 1, "fix_batch": 4, "fix_completion": 24}}),
+    "02_qlora_crash": (35, {"grpo": {"steps": 2}, "real": {"fix_steps": 1, "fix_batch": 4, "fix_completion": 24}}),
     "03_loss_scaling": (15, {"scaler_steps": 40}),
     "04_mismatch": (25, {"mismatch": {"sequences": 64, "max_len": 1000, "micro_batch": 16}}),
     "04b_real_mismatch": (20, {"real": {"sequences": (("bf16", 8), ("fp16", 8), ("fp32", 4)), "length": 256,
@@ -61,12 +61,13 @@ SLICES: dict[str, tuple[int, dict]] = {
                                    "sampler": {"dial_sequences": 4, "dial_length": 256, "bias_prompts": 8,
                                                "bias_batches": 4, "seeds": 2, "eval_problems": 64, "eval_every": 2},
                                    "real": {"dial_sequences": 4, "dial_length": 32}}),
-    "06_moe": (25, {"rl": {"steps": 4}, "routing": {"sequences": 56, "max_len": 500},
+    "05c_update_direction": (12, {}),
+    "06_moe": (23, {"rl": {"steps": 4}, "routing": {"sequences": 56, "max_len": 500},
                     "mismatch": {"sequences": 64, "max_len": 500, "micro_batch": 16}}),
-    "07_lora": (25, {"grpo": {"steps": 4}, "real": {"probe_sequences": 4, "probe_length": 64}}),
+    "07_lora": (24, {"grpo": {"steps": 4}, "real": {"probe_sequences": 4, "probe_length": 64}}),
     "08_sensitive_ops": (10, {"task": {"eval_problems": 64}}),
     "09_fp8": (10, {}),
-    "10_scaling_out": (18, {"rl": {"steps": 4}}),
+    "10_scaling_out": (17, {"rl": {"steps": 4}}),
     "11_troubleshooting": (12, {}),
 }
 # the profile fields each chapter reads (its own cells and the labutils calls it makes), for `plan`
@@ -486,6 +487,8 @@ def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str,
         "05b_sampler_precision": max(toy(training_bytes(dense, rl_tokens(profile.sampler_rl))),
                                      toy(sampling_bytes(dense, [sampler.dial_length] * sampler.dial_sequences,
                                                         TOY_PROMPT)), real_dial()),
+        # the real model on the CPU in every profile: five engines and the trainer, nothing on the GPU
+        "05c_update_direction": toy(0, 6 * 4 * SMOLLM2.parameters),
         "06_moe": max(toy(training_bytes(moe, rl_tokens(profile.rl))),
                       mismatch_chapter(moe, routing.sequences, m.min_len, routing.max_len)),
         "07_lora": max(toy(training_bytes(dense, rl_tokens(profile.grpo))), real_merge()),

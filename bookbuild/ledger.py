@@ -90,6 +90,29 @@ def _coarse_degrades(basis, bits, slope, low, high, runs, settings, effect_slope
         _comparison(-slope, (high - low) / 2, settings - 1, effect=effect_slope), seq_kl)
 
 
+def _update_biased(sampler, dose, rho, rho_se, achieved, verdict, needed):
+    """The mechanism at the update (chapter 5c): the uncorrected GRPO update on μ's samples at the paper's dose keeps
+    a share ρ of the on-policy update; the chapter's own verdict, with its power."""
+    measured = (f"at fixed weights on the real 135M model, with the sampler at the paper's BF16 dose ({sampler}, "
+                f"{dose:.2g} nats per completion), the uncorrected GRPO update keeps ρ = {rho:.2f} ± {rho_se:.2f} of "
+                f"the on-policy update; power {achieved:.0%} to see a drop of 0.05")
+    return measured, {"shown": CONFIRMED,
+                      "contradicted": CONTRADICTED + f" (ρ within 0.05 of 1 at {achieved:.0%} power)",
+                      }.get(verdict, INCONCLUSIVE + f" (power {achieved:.0%}; about {needed:,.0f} completions per "
+                                                    "sampler would decide it)")
+
+
+def _update_restored(verdict, sampler, default_change, default_se, tis_change, tis_se, first_lost):
+    """Corrections restore the update's direction (chapter 5c): the chapter's own verdict."""
+    measured = (f"on the same completions at the paper's dose ({sampler}), trl's default correction changes ρ by "
+                f"{default_change:+.2f} ± {default_se:.2f} and token TIS by {tis_change:+.2f} ± {tis_se:.2f}; "
+                f"the first sampler whose update lost direction: {first_lost}")
+    return measured, {"shown": CONFIRMED, "contradicted": CONTRADICTED,
+                      }.get(verdict, INCONCLUSIVE + (" (no sampler's update lost direction: nothing to restore)"
+                                                     if first_lost == "none" else
+                                                     " (some corrections restore some samplers, not all)"))
+
+
 def _run_label(name: str) -> str:
     """A long-run arm's name as a reader reads it: `m2_tis` is token TIS on the 2-bit sampler."""
     sampler, _, fix = name.partition("_")
@@ -333,6 +356,17 @@ CLAIMS = [
           "Its BF16 runs with these corrections train slower or less stably than FP16.", "05b_sampler_precision",
           tuple(f"decisive.{k}" for k in ("basis", "fix", "bits", "seeds", "gap_matched", "noise_matched", "gap_fix", "noise_fix",
                                           "gap_fix_vs_matched", "noise_fix_vs_matched")), _restores),
+    Claim("paper", "The mechanism at the update: GRPO on the sampler's mismatched samples computes a biased update, "
+          "one that loses the on-policy direction.",
+          "Attributes BF16's collapses to the mismatch between sampler and trainer.", "05c_update_direction",
+          tuple(f"direction.at_paper.{k}" for k in ("label", "dose", "rho", "rho_se", "power"))
+          + ("direction.verdict.biased", "direction.completions_for_80"), _update_biased),
+    Claim("is", "Importance-sampling corrections restore the on-policy direction of the update.",
+          "Its BF16 runs with these corrections train slower or less stably than FP16.", "05c_update_direction",
+          ("direction.verdict.restored", "direction.at_paper.label")
+          + tuple(f"direction.at_paper.{k}" for k in ("default_change", "default_change_se", "tis_change",
+                                                       "tis_change_se")) + ("direction.first_lost.label",),
+          _update_restored),
     Claim("fp16", "FP16 trains faster than BF16 on A100/H100.", "", "05_grpo_precision",
           ("combo.fp16_fp16.tokens_per_s", "combo.bf16_bf16.tokens_per_s"),
           lambda f16, b16: (f"GRPO tokens/s fp16 {f16:.0f} vs bf16 {b16:.0f}",

@@ -28,7 +28,8 @@ def _card(text: str, key: str) -> str:
 
 
 REAL = {"real.token_kl.bf16": 1.7e-3, "real.token_kl_stderr.bf16": 5e-5,
-        "real.token_kl.fp16": 2.7e-5, "real.token_kl_stderr.fp16": 2e-6, "real.drift_settled": True}
+        "real.token_kl.fp16": 2.7e-5, "real.token_kl_stderr.fp16": 2e-6, "real.accumulation.shown": True,
+        "real.accumulation.contradicted": False}
 RATIO = {"real.ratio.bf16_over_fp16": 63.0, "real.ratio.bf16_over_fp16_low": 50.0,
          "real.ratio.bf16_over_fp16_high": 76.0, "real.seq_kl_1k.bf16": 1.75}
 
@@ -55,7 +56,7 @@ def test_the_mismatch_links_follow_the_real_models_numbers(tmp_path):
     _write(tmp_path, "04b_real_mismatch", REAL)
     links = findings.chain(tmp_path)
     assert [status for _, status, _ in links[:2]] == [findings.SHOWN_LINK, findings.SHOWN_LINK]
-    _write(tmp_path, "04b_real_mismatch", REAL | {"real.token_kl.bf16": 2.9e-5, "real.drift_settled": False})
+    _write(tmp_path, "04b_real_mismatch", REAL | {"real.token_kl.bf16": 2.9e-5, "real.accumulation.shown": False})
     links = findings.chain(tmp_path)  # within 3 standard errors of fp16, and a drift the fit cannot settle
     assert [status for _, status, _ in links[:2]] == [findings.UNRESOLVED, findings.UNRESOLVED]
 
@@ -70,7 +71,7 @@ def test_a_finding_quotes_this_builds_numbers(tmp_path):
     (True, "It accumulates with the response's length", "unresolved here"),
     (False, "unresolved here", "It accumulates")])
 def test_the_bf16_card_says_accumulating_only_where_the_chain_shows_it(tmp_path, settled, said, not_said):
-    _write(tmp_path, "04b_real_mismatch", REAL | RATIO | {"real.drift_settled": settled})
+    _write(tmp_path, "04b_real_mismatch", REAL | RATIO | {"real.accumulation.shown": settled})
     card = _card(findings.page(tmp_path, tmp_path / "site"), "bf16")
     assert said in card and not_said not in card
     # the correction is others' recommendation, named as theirs
@@ -187,15 +188,23 @@ def test_the_paper_precision_rl_and_each_framework_are_linked(tmp_path):
         assert text.count(f"]({url})") == 1, url
 
 
-@pytest.mark.parametrize("slope, verdict", [(-0.05, findings.SHOWN_LINK), (-0.01, findings.UNRESOLVED)])
-def test_the_rl_link_reads_the_chapters_dose_response(tmp_path, slope, verdict):
-    _write(tmp_path, "05b_sampler_precision", {
-        "decisive.basis": "long run", "decisive.bits": 2, "decisive.dose_slope": slope,
-        "decisive.dose_slope_low": slope - 0.02, "decisive.dose_slope_high": slope + 0.02, "decisive.dose_runs": 40,
-        "decisive.dose_effect": 0.005, "decisive.gap_matched": 0.1, "decisive.noise_matched": 0.05,
-        "decisive.effect": 0.05, "decisive.dose_settings": 8, "decisive.coarse_seq_kl": 8.0})
-    assert dict((text, status) for text, status, _ in findings.chain(tmp_path))[
-        "RL on mismatched samples degrades the policy"] == verdict
+DIRECTION = {"direction.at_paper.label": "3-bit mantissa (emulated)", "direction.at_paper.dose": 1.9,
+             "direction.at_paper.rho": 0.9, "direction.at_paper.rho_se": 0.2, "direction.at_paper.power": 0.1,
+             "direction.completions_for_80": 20000, "direction.verdict.restored": "unresolved",
+             "direction.at_paper.default_change": 0.01, "direction.at_paper.default_change_se": 0.02,
+             "direction.at_paper.tis_change": 0.0, "direction.at_paper.tis_change_se": 0.01,
+             "direction.first_lost.label": "none"}
+
+
+@pytest.mark.parametrize("verdict, status", [("shown", findings.SHOWN_LINK), ("contradicted", findings.AGAINST),
+                                             ("unresolved", findings.UNRESOLVED)])
+def test_the_update_link_reads_the_update_direction_chapters_verdict(tmp_path, verdict, status):
+    _write(tmp_path, "05c_update_direction", DIRECTION | {"direction.verdict.biased": verdict})
+    links = {text: s for text, s, _ in findings.chain(tmp_path)}
+    assert links["GRPO on mismatched samples computes a biased update (it loses the on-policy direction)"] == status
+    page = findings.page(tmp_path, tmp_path / "site")
+    if verdict == "unresolved":  # an unresolved link states its power and what would decide it
+        assert "power 10%; about 20,000 completions per sampler would decide it" in page
 
 
 def test_the_quoted_trl_defaults_are_the_installed_ones():
