@@ -77,6 +77,24 @@ def by_bucket(values: torch.Tensor, probability: torch.Tensor, mask: torch.Tenso
     return rows
 
 
+def by_position(values: torch.Tensor, mask: torch.Tensor, edges: list[int]) -> list[dict]:
+    """Mean of a per-token value over the real tokens at positions [edges[i], edges[i+1]) of each
+    row, its standard error over sequences (a sequence's tokens in the band are one cluster) and the
+    number of sequences with tokens there; a band seen in fewer than two sequences has no error."""
+    rows = []
+    for start, end in zip(edges[:-1], edges[1:]):
+        inside = mask[:, start:end].bool()
+        seen = int(inside.any(-1).sum())
+        centre, stderr = float("nan"), float("nan")
+        if seen >= 2:
+            centre, stderr = mean(values[:, start:end], inside)
+        elif seen:
+            centre = float(values[:, start:end].double()[inside].mean())
+        rows.append({"from": start, "to": end, "mean": centre, "stderr": stderr,
+                     "sequences": seen})
+    return rows
+
+
 def share_below(probability: torch.Tensor, mask: torch.Tensor, cut: float) -> float:
     """Share of the real tokens whose probability is below `cut`."""
     real = mask.bool()

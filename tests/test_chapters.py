@@ -61,7 +61,14 @@ REQUIRED_METRICS = {
                           "real.ratio.bf16_over_fp16", "perf.real.sample_over_forward.bf16",
                           "perf.real.sample_over_forward.fp16", "real.token_kl.bf16_train_fp32_infer",
                           "real.token_kl_stderr.bf16_train_fp32_infer", "real.bf16_train_fp32_infer_vs_bf16",
-                          "real.trl_is.bf16_long_over_short", "real.trl_is.bf16_long_downweighted"]
+                          "real.trl_is.bf16_long_over_short", "real.trl_is.bf16_long_downweighted",
+                          "real.accumulation.shown", "real.accumulation.contradicted",
+                          "real.accumulation.sequences", "real.accumulation.bf16.last_band_z",
+                          "real.accumulation.fp16.last_band_z"]
+    + [f"real.accumulation.{p}.band_{i * n // 4}_{(i + 1) * n // 4}.{m}"
+       for p, n in (("bf16", profiles.PROFILES["cpu"].real.length),
+                    ("fp16", profiles.PROFILES["cpu"].real.short_length))
+       for i in range(4) for m in ("kl", "se")]
     + [f"real.{m}.{p}" for m in ("token_kl", "token_kl_stderr", "k3", "k3_stderr", "seq_kl_1k", "slope_per_1k",
                                  "slope_stderr_per_1k") for p in ("fp32", "bf16", "fp16")],
     "05_grpo_precision": [f"combo.{c}.{m}" for c in ("bf16_bf16", "bf16_fp16", "fp16_fp16", "fp16_fp16_unscaled",
@@ -78,6 +85,11 @@ REQUIRED_METRICS = {
     + [f"real.rl.long.{pair}.{m}" for pair in ("fp32_fp32", "bf16_bf16", "fp16_fp16")
        for m in ("probe_kl_start", "probe_kl_end", "probe_kl_change", "probe_kl_change_se", "seeds", "seeds_agree",
                  "drift_end", "eval_start", "eval_end")],
+    "05c_update_direction": ["coupling.mean_first_difference.bf16_same_seed", "live.bf16.dose",
+                             "direction.verdict.biased", "direction.verdict.restored", "direction.at_paper.power",
+                             "direction.at_paper.rho", "direction.at_paper.rho_se", "direction.bf16.dose",
+                             "direction.bf16.none.rho", "direction.bf16.none.orth", "direction.completions",
+                             "direction.per_token_dose.bf16"],
     "05b_sampler_precision": [f"dial.{m}.{k}" for m in (10, 7, 5, 4, 3, 2) for k in ("token_kl", "seq_kl_1k")]
     + ["dial.fp8_e4m3.token_kl"] + [f"bias.{m}.cosine" for m in (7, 4, 2)]
     + [f"rl.{run}.{m}" for run in mismatch_rl.runs_at(profiles.PROFILES["cpu"].sampler.bits)

@@ -92,3 +92,18 @@ def test_the_prefix_slope_matches_the_pooled_fit_and_clusters_its_error():
     # one run per sequence: the error over sequences is the error over runs
     assert clusters.prefix_slope(log_ratio, 32, 512) == pytest.approx(
         mismatch.prefix_slope(log_ratio, mask, 32, 512))
+
+
+def test_bands_of_positions_take_their_errors_over_sequences():
+    values = torch.tensor([[1.0, 3.0, 2.0, 2.0], [5.0, 7.0, 4.0, 8.0], [0.0, 2.0, 0.0, 99.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]])
+    first, second = clusters.by_position(values, mask, [0, 2, 4])
+    per_sequence = torch.tensor([2.0, 6.0, 1.0], dtype=torch.float64)  # each row's first band
+    assert (first["from"], first["to"], first["sequences"]) == (0, 2, 3)
+    assert first["mean"] == pytest.approx(3.0)
+    assert first["stderr"] == pytest.approx(float(per_sequence.std() / 3 ** 0.5))
+    assert second["mean"] == pytest.approx(16 / 5)  # padding left out, tokens weighed
+    alone = clusters.by_position(values, torch.tensor([[1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]),
+                                 [0, 2, 4])
+    assert alone[0]["mean"] == 1.0 and math.isnan(alone[0]["stderr"]) and alone[0]["sequences"] == 1
+    assert alone[1]["sequences"] == 0 and math.isnan(alone[1]["mean"])
