@@ -24,7 +24,8 @@ from .status import table
 
 SHOWN, MECHANISM, NOT_SHOWN, INCONCLUSIVE = ("shown here", "mechanism only", "not shown (needs a GPU)",
                                              "inconclusive")
-BADGES = {SHOWN: "success", MECHANISM: "info", NOT_SHOWN: "secondary", INCONCLUSIVE: "warning"}
+AGAINST_HERE = "contradicted here"
+BADGES = {SHOWN: "success", MECHANISM: "info", NOT_SHOWN: "secondary", INCONCLUSIVE: "warning", AGAINST_HERE: "danger"}
 FIGURES = "findings"  # the figures' folder beside the page
 MISSING = "not measured in this build"
 CODE_WIDTH = 76  # a config block's longest line: within the house's 88, and it fits the card at 1,280 px
@@ -319,6 +320,21 @@ def dial_size(c: Context) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _update_kind(m) -> str:
+    """The update-direction badge, from chapter 5c's own verdict."""
+    return {"shown": SHOWN, "contradicted": AGAINST_HERE}.get(m("05c_update_direction:direction.verdict.biased"),
+                                                              INCONCLUSIVE)
+
+
+def _update_numbers(m) -> str:
+    key = "05c_update_direction:direction.at_paper."
+    return (f"at fixed weights on the real 135M model, a GRPO update on the {m(key + 'label')} sampler's completions "
+            f"({m(key + 'dose'):.2g} nats per completion, the paper's BF16 dose at 1K tokens) keeps "
+            f"{m(key + 'rho'):.2f} ± {m(key + 'rho_se'):.2f} of the on-policy update "
+            f"({m('05c_update_direction:direction.verdict.biased')}; power {m(key + 'power'):.0%} for a loss of "
+            f"{m('05c_update_direction:direction.smallest_drop'):.2f})")
+
+
 def _fix_kind(m) -> str:
     """The bf16-vs-fp32 sampler comparison's badge: inconclusive where its interval includes zero."""
     gap, noise = m("05b_sampler_precision:decisive.bf16_gap"), m("05b_sampler_precision:decisive.bf16_noise")
@@ -446,6 +462,7 @@ VLLM_BATCH_INVARIANT=1 vllm serve <model> --dtype float16""", lang="bash")),
                              f"{_ci(*_bf16_ratio(m), 0)}; "
                              f"{m('04b_real_mismatch:real.seq_kl_1k.bf16'):.2f} nats per 1K tokens in bf16")),
          Evidence("05_grpo_precision", "The committed long run", SHOWN, lambda m: _during_rl(m)),
+         Evidence("05c_update_direction", "The committed run", _update_kind, _update_numbers),
          Evidence("08_sensitive_ops", "Where fp16 overflows", SHOWN, _headroom),
          Evidence("04b_real_mismatch", "What trl's default correction does to long completions", SHOWN,
                   _trl_length_penalty),
