@@ -78,11 +78,13 @@ class Run:
         payload = json.loads(self.target.read_text())
         return payload, self.stale(payload, plan, model)
 
-    def write(self, payload: dict, plan: dict, model: str, began: float, target: Path | None = None) -> Path:
-        """`payload` with its plan, its minutes and its provenance, written where the chapter reads it."""
+    def write(self, payload: dict, plan: dict, model: str, began: float, target: Path | None = None,
+              code: str | None = None) -> Path:
+        """`payload` with its plan, its minutes and its provenance, written where the chapter reads it. `code`: the
+        fingerprint taken when the run began (the files may change while it runs); by default, taken now."""
         target = target or self.target
         payload = {**payload, "plan": plan, "minutes": (time.time() - began) / 60,
-                   "provenance": {"code": self.fingerprint(plan), "model": model, "modules": modules_run(self.module),
+                   "provenance": {"code": code or self.fingerprint(plan), "model": model, "modules": modules_run(self.module),
                                   "date": time.strftime("%Y-%m-%d", time.gmtime(began)), "cpu": env.cpu_model(),
                                   "kernel_set": env.kernel_set(), "torch_threads": torch.get_num_threads(),
                                   "env": env.env_report()}}

@@ -105,3 +105,15 @@ def test_a_committed_run_writes_its_fingerprint_and_reads_back(tmp_path):
     assert run.stale(payload, {"size": 2}, "model-a") is None
     assert "make example" in run.stale(payload, {"size": 3}, "model-a")
     assert "make example" in run.stale(payload, {"size": 2}, "model-b")
+
+
+def test_the_committed_inner_products_are_the_updates_products():
+    g = torch.Generator().manual_seed(2)
+    found = {"kept": {"fp32": {"sketch": {"none": [torch.randn(10, generator=g) for _ in range(3)]}},
+                      "m3": {"sketch": {"none": [torch.randn(10, generator=g) for _ in range(3)],
+                                        "tis": [torch.randn(10, generator=g) for _ in range(3)]}}}}
+    gram = update_direction.gram(found, chunk=4)  # slices that do not divide the length
+    vectors = [v for r in found["kept"].values() for kept in r["sketch"].values() for v in kept]
+    expected = torch.stack(vectors).double() @ torch.stack(vectors).double().T
+    assert gram["labels"][3] == "m3/none/0"
+    assert torch.allclose(torch.tensor(gram["matrix"]), expected)
