@@ -116,4 +116,4 @@ def test_the_committed_inner_products_are_the_updates_products():
     vectors = [v for r in found["kept"].values() for kept in r["sketch"].values() for v in kept]
     expected = torch.stack(vectors).double() @ torch.stack(vectors).double().T
     assert gram["labels"][3] == "m3/none/0"
-    assert torch.allclose(torch.tensor(gram["matrix"]), expected)
+    assert torch.allclose(torch.tensor(gram["matrix"], dtype=torch.float64), expected)
