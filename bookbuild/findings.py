@@ -321,16 +321,17 @@ def dial_size(c: Context) -> tuple[int | None, int | None]:
 
 
 def _update_kind(m) -> str:
-    """The update-direction badge, from chapter 5c's own verdict."""
-    return {"shown": SHOWN, "contradicted": AGAINST_HERE}.get(m("05c_update_direction:direction.verdict.biased"),
-                                                              INCONCLUSIVE)
+    """The update-direction badge, from chapter 5c's own verdict: a loss shown on an emulated sampler shows the
+    mechanism, not bf16's effect."""
+    return {"shown": MECHANISM, "contradicted": AGAINST_HERE}.get(
+        m("05c_update_direction:direction.verdict.biased"), INCONCLUSIVE)
 
 
 def _update_numbers(m) -> str:
     key = "05c_update_direction:direction.at_paper."
     return (f"at fixed weights on the real 135M model, a GRPO update on the {m(key + 'label')} sampler's completions "
-            f"({m(key + 'dose'):.2g} nats per completion, the paper's BF16 dose at 1K tokens) keeps "
-            f"{m(key + 'rho'):.2f} ± {m(key + 'rho_se'):.2f} of the on-policy update "
+            f"({m(key + 'dose'):.2g} nats per completion, bf16's dose at 1K tokens by chapter 4b) keeps "
+            f"{m(key + 'rho'):.2f} ± {m(key + 'rho_se'):.2f} of the last two blocks' on-policy update "
             f"({m('05c_update_direction:direction.verdict.biased')}; power {m(key + 'power'):.0%} for a loss of "
             f"{m('05c_update_direction:direction.smallest_drop'):.2f})")
 

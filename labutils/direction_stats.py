@@ -37,6 +37,19 @@ class Gram:
         bottom, bottom_loo = self.cross(reference, reference)
         return top / bottom, top_loo / bottom_loo
 
+    def bias(self, update: tuple[str, str], reference: tuple[str, str] = ("fp32", "none")) -> tuple[float, torch.Tensor]:
+        """B² = ‖ḡ − ḡ_ref‖² / ‖ḡ_ref‖², the whole change of the update (its lost share and the part pointing
+        elsewhere: (1 − ρ)² plus the orthogonal share), and its leave-one-batch-out values."""
+        uu, uu_loo = self.cross(update, update)
+        ur, ur_loo = self.cross(update, reference)
+        rr, rr_loo = self.cross(reference, reference)
+        return (uu - 2 * ur + rr) / rr, (uu_loo - 2 * ur_loo + rr_loo) / rr_loo
+
+    def denominator_cv(self, reference: tuple[str, str] = ("fp32", "none")) -> float:
+        """The jackknife coefficient of variation of ‖ḡ_ref‖²: above about 0.3 a ratio's interval is approximate."""
+        rr, loo = self.cross(reference, reference)
+        return jackknife(loo) / abs(rr)
+
     def rho_difference(self, a: tuple[str, str], b: tuple[str, str]) -> tuple[float, float]:
         """ρ(a) − ρ(b) on the same batches, with its jackknife standard error."""
         rho_a, loo_a = self.rho(a)
@@ -50,7 +63,7 @@ def jackknife(loo: torch.Tensor) -> float:
     return float(math.sqrt((n - 1) / n * float(((loo - loo.mean()) ** 2).sum())))
 
 
-def _critical(alpha: float, dof: int | None) -> float:
+def critical(alpha: float, dof: int | None) -> float:
     """The two-sided critical value: Student's t on `dof` degrees of freedom (a jackknife over few batches), or
     the normal's when `dof` is None."""
     if dof is None:
@@ -62,12 +75,12 @@ def _critical(alpha: float, dof: int | None) -> float:
 
 def beyond(value: float, se: float, alpha: float = 0.05, dof: int | None = None) -> bool:
     """`value` differs from zero at two-sided level `alpha`."""
-    return abs(value) > _critical(alpha, dof) * se
+    return abs(value) > critical(alpha, dof) * se
 
 
 def within(value: float, se: float, margin: float, alpha: float = 0.05, dof: int | None = None) -> bool:
     """`value`'s two-sided 1 − alpha interval lies inside ± `margin` (an equivalence test)."""
-    return abs(value) + _critical(alpha, dof) * se < margin
+    return abs(value) + critical(alpha, dof) * se < margin
 
 
 def power(se: float, effect: float, alpha: float = 0.05, dof: int | None = None) -> float:
@@ -76,9 +89,27 @@ def power(se: float, effect: float, alpha: float = 0.05, dof: int | None = None)
 
     if not math.isfinite(se) or se <= 0:
         return float("nan")
-    crit, shift = _critical(alpha, dof), effect / se
+    crit, shift = critical(alpha, dof), effect / se
     dist = stats.t(dof) if dof is not None else stats.norm()
     return float(dist.sf(crit - shift) + dist.cdf(-crit - shift))
+
+
+def p_value(value: float, se: float, dof: int | None = None) -> float:
+    """The two-sided p-value of `value` against zero (Student's t on `dof`, or normal)."""
+    from scipy import stats
+
+    dist = stats.t(dof) if dof is not None else stats.norm()
+    return float(2 * dist.sf(abs(value) / se)) if se > 0 else float("nan")
+
+
+def holm(p_values: dict[str, float], alpha: float = 0.05) -> set[str]:
+    """The names whose tests Holm's step-down procedure rejects at family-wise level `alpha`."""
+    rejected = set()
+    for i, (name, p) in enumerate(sorted(p_values.items(), key=lambda item: item[1])):
+        if not p <= alpha / (len(p_values) - i):
+            break
+        rejected.add(name)
+    return rejected
 
 
 def verdict(drop: float, se: float, smallest: float, alpha: float = 0.05, dof: int | None = None) -> str:
