@@ -36,7 +36,7 @@ CUDA_ONLY_HELPERS = {
 }
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
 HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')
-NOT_RUN_BY_CHAPTERS = {"gpu_check.py", "profiles.py", "preflight.py", "status.py"}  # tested on their own
+NOT_RUN_BY_CHAPTERS = {"gpu_check.py", "profiles.py", "preflight.py", "status.py", "doctor.py"}  # tested on their own
 
 
 def test_the_cuda_only_lines_are_the_listed_ones():

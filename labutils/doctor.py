@@ -1,0 +1,469 @@
+"""The mismatch doctor: how far one trainer's π is from one sampler's μ on your model, measured by the book's engines.
+
+`python -m labutils.doctor --model smollm2-135m-instruct --sampler torch:bf16 --trainer torch:fp32` samples
+`--sequences` completions of exactly `--tokens` tokens each (EOS banned until then) from the model's chat
+prompts with the sampler, keeping log μ of the whole vocabulary, and rescores them with the trainer
+(`--trainer-mode autocast`: fp32 weights under `torch.autocast`, as the book's RL runs train; `pure`: the
+weights cast whole). It reports the exact token KL[μ‖π] and its k3 estimate with standard errors over
+sequences, where in the sequence and at which probabilities the KL sits, how the sequence log-weight drifts
+and spreads with length, what trl's importance-sampling modes make of these samples, what trl, verl and
+NeMo-RL would log for them, and a verdict against the book's own measurements where it has some. All of it
+goes to a JSON file, with a figure beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from . import book_measurements, clusters, framework_metrics, grpo, rollout, sampler_precision, sampling_correction
+
+ENGINES = ("torch",)
+TRAINER_DTYPES = tuple(rollout.DTYPES)  # fp32, bf16, fp16
+TRAINER_MODES = ("autocast", "pure")
+MICRO_BATCH = 4  # sequences per teacher-forced forward: its fp32 logits are part of the memory estimate
+SD_LENGTHS = (256, 512, 1024)  # where the prefix log-ratio's spread is read, as chapter 4b reads it
+MU_EDGES = [0.0, 0.01, 0.1, 0.5, 0.9, 1.0]  # buckets of the sampled token's probability under μ, as in 4b
+MIN_TOKENS = 16  # the drift fit reads a prefix every tokens/16 positions: at least one token apart
+KL_CHUNK = 256  # positions mismatch.token_kl holds in float64 at once
+
+
+def _refuse(sentence: str) -> SystemExit:
+    """The exit for a bad request: one sentence, non-zero status."""
+    return SystemExit(sentence)
+
+
+def parse_engine(text: str, flag: str) -> str:
+    """The dtype part of `ENGINE:DTYPE`, once the engine is one this doctor runs."""
+    engine, colon, dtype = text.partition(":")
+    if not colon or not engine or not dtype:
+        raise _refuse(f"{flag} {text!r} must be ENGINE:DTYPE, for example {flag} torch:bf16.")
+    if engine == "llama.cpp":
+        raise _refuse(f"llama.cpp is not installed in this lab, so {flag} {text} cannot run here; measure with the "
+                      f"book's torch engines instead ({flag} torch:fp32, torch:bf16, torch:fp16"
+                      f"{', torch:fp8 or torch:m2 … torch:m10' if flag == '--sampler' else ''}).")
+    if engine not in ENGINES:
+        raise _refuse(f"engine {engine!r} in {flag} {text} is not one this doctor runs; use torch "
+                      "(llama.cpp is not installed in this lab).")
+    return dtype
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's flags and their defaults."""
+    from . import pretrained
+
+    parser = argparse.ArgumentParser(prog="python -m labutils.doctor", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=pretrained.NAME,
+                        help=f"{pretrained.NAME} (the book's real model), a save_pretrained directory, a hub id, "
+                             "or lab:dense / lab:moe (the lab's toy models)")
+    parser.add_argument("--sampler", default="torch:bf16", help="ENGINE:DTYPE; dtype fp32, bf16, fp16, fp8, "
+                                                                "fp8_channel or m2 … m10 (emulated)")
+    parser.add_argument("--trainer", default="torch:fp32", help="torch:DTYPE with DTYPE fp32, bf16 or fp16")
+    parser.add_argument("--trainer-mode", default="autocast", choices=TRAINER_MODES)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--tokens", type=int, default=256, help="completion tokens per sequence, EOS banned")
+    parser.add_argument("--sequences", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--json", type=Path, default=Path("doctor.json"))
+    parser.add_argument("--figure", type=Path, default=None, help="default: beside the JSON, as .png")
+    return parser
+
+
+def check_request(args: argparse.Namespace) -> dict:
+    """The request's engines, dtypes and sizes, checked before anything heavy loads; one sentence where not."""
+    sampler_name = parse_engine(args.sampler, "--sampler")
+    trainer_name = parse_engine(args.trainer, "--trainer")
+    try:
+        dial = sampler_precision.parse(sampler_name)
+    except ValueError as err:
+        raise _refuse(f"--sampler {args.sampler}: {err}") from None
+    if trainer_name not in TRAINER_DTYPES:
+        raise _refuse(f"--trainer {args.trainer}: a trainer holds fp32, bf16 or fp16 weights, not {trainer_name!r}; "
+                      "choose one of torch:fp32, torch:bf16, torch:fp16.")
+    if args.tokens < MIN_TOKENS:
+        raise _refuse(f"--tokens {args.tokens} is too short to fit the log-weight drift; "
+                      f"ask for at least {MIN_TOKENS}.")
+    if args.sequences < 2:
+        raise _refuse(f"--sequences {args.sequences}: standard errors over sequences need at least 2.")
+    if not args.temperature > 0:
+        raise _refuse(f"--temperature {args.temperature} must be positive; sampling needs a distribution.")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise _refuse("--device cuda: torch sees no CUDA GPU on this machine; use --device cpu.")
+    trainer_dtype = rollout.DTYPES[trainer_name]
+    try:  # a matmul in each engine's dtype on this device (rollout.engine_dtype's probe)
+        rollout.engine_dtype(dial.engine_dtype, device)
+        rollout.engine_dtype(trainer_name, device)
+    except (RuntimeError, ValueError) as err:
+        raise _refuse(str(err)) from None
+    autocast = args.trainer_mode == "autocast" and trainer_dtype != torch.float32
+    if autocast:
+        with torch.autocast(device, dtype=trainer_dtype):
+            probe = torch.ones(2, 2, device=device)
+            computed = (probe @ probe).dtype
+        if computed != trainer_dtype:
+            raise _refuse(f"torch.autocast on {device} does not compute in {trainer_name} here; "
+                          "use --trainer-mode pure.")
+    return {"dial": dial, "sampler": sampler_name, "trainer": trainer_name, "trainer_dtype": trainer_dtype,
+            "autocast": autocast, "device": device}
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes of memory available to this process now, and where the number comes from."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available), "psutil"
+    except ImportError:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "/proc/meminfo"
+    return 0, "unknown"
+
+
+def full_vocab_bytes(sequences: int, tokens: int, vocab: int) -> int:
+    """Bytes the exact KL holds at once: log μ and log π of every vocabulary entry at every position (fp32),
+    one micro-batch of the trainer's fp32 logits, and the float64 chunk the KL is summed in."""
+    return 4 * vocab * (2 * sequences * tokens + min(sequences, MICRO_BATCH) * tokens) + 3 * 8 * vocab * KL_CHUNK
+
+
+def check_memory(sequences: int, tokens: int, vocab: int, device: str) -> int:
+    """The bytes `full_vocab_bytes` asks for, after checking they fit; one sentence naming the flag where not."""
+    need = full_vocab_bytes(sequences, tokens, vocab)
+    have, _ = available_memory()
+    if have and need > have:
+        raise _refuse(f"the full-vocabulary log-probabilities of {sequences} sequences × {tokens} tokens "
+                      f"(vocabulary {vocab:,}) need about {need / 1e9:.1f} GB and {have / 1e9:.1f} GB of memory is "
+                      "available; lower --sequences (or --tokens).")
+    if device == "cuda":  # the sampler keeps its log μ on the GPU until it returns
+        free, _ = torch.cuda.mem_get_info()
+        on_gpu = 4 * vocab * sequences * tokens + 4 * vocab * min(sequences, MICRO_BATCH) * tokens
+        if on_gpu > free:
+            raise _refuse(f"the full-vocabulary log-probabilities of {sequences} sequences × {tokens} tokens need "
+                          f"about {on_gpu / 1e9:.1f} GB on the GPU and {free / 1e9:.1f} GB is free; lower "
+                          "--sequences (or --tokens).")
+    return need
+
+
+def resolve_model(name: str, profile=None) -> tuple[str | None, str, str, object]:
+    """(model_id for models.load, lab kind, the checkpoint's path, profile) for `--model`; lab:KIND builds the toy."""
+    from . import models, profiles
+
+    if name.startswith("lab:"):
+        kind = name.removeprefix("lab:")
+        if kind not in models.KINDS:
+            raise _refuse(f"--model {name}: the lab's toy models are {', '.join('lab:' + k for k in models.KINDS)}.")
+        profile = profile or profiles.resolve("auto")
+        return None, kind, str(models.lab_model_dir(kind, profile)), profile
+    try:
+        return name, "dense", models.resolve_model(name, "dense", None), profile
+    except (FileNotFoundError, ModuleNotFoundError, ValueError) as err:
+        raise _refuse(f"--model {name}: {err}") from None
+
+
+def build_prompts(tokenizer, count: int, seed: int) -> tuple[list[list[int]], str]:
+    """The model's chat requests for a long answer, or the toy task's prompts where it has no chat template."""
+    from . import pretrained, task
+
+    if getattr(tokenizer, "chat_template", None):
+        return pretrained.chat_prompts(tokenizer, count), "chat requests for a long answer"
+    problems = task.sample_problems(random.Random(seed), count, 12, 20)
+    return [tokenizer(q.prompt, add_special_tokens=False)["input_ids"] for q in problems], "the toy task's prompts"
+
+
+def check_context(config, prompts: list[list[int]], tokens: int) -> None:
+    """Stop in one sentence where the longest prompt plus `tokens` is past the model's context."""
+    context = getattr(config, "max_position_embeddings", None)
+    longest = max(len(p) for p in prompts)
+    if context and longest + tokens > context:
+        raise _refuse(f"--tokens {tokens} after a prompt of {longest} tokens is past the model's context of "
+                      f"{context} tokens; ask for at most --tokens {context - longest}.")
+
+
+def sample_with_progress(engine, prompts: list[list[int]], tokens: int, temperature: float, seed: int):
+    """The sampler's rollout of `tokens` tokens per prompt (EOS banned), full-vocabulary log μ kept, with a bar."""
+    from tqdm import tqdm
+
+    generator = torch.Generator(engine.device).manual_seed(seed)
+    with tqdm(total=tokens, desc=f"sampling {len(prompts)} sequences", unit="token") as bar:
+
+        def tick(*_) -> None:  # a forward hook that returned a value would replace the model's output
+            bar.update(1)
+
+        hook = engine.model.register_forward_hook(tick)  # one forward per token position
+        try:
+            return engine.sample(prompts, tokens, tokens, temperature=temperature, keep_vocab=True,
+                                 generator=generator)
+        finally:
+            hook.remove()
+
+
+def _band(value: float, stderr: float, sequences: int) -> dict:
+    """A mean, its standard error over sequences and its t interval, as the report keeps them."""
+    low, high = clusters.interval(value, stderr, sequences)
+    return {"value": value, "stderr": stderr, "low": low, "high": high, "sequences": sequences}
+
+
+def analyse(log_mu: torch.Tensor, log_pi: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor) -> dict:
+    """Every quantity of the report from the sampled tokens' log μ and log π, their mask and the exact token KL."""
+    sequences, tokens = mask.shape
+    log_ratio = (log_pi - log_mu).double() * mask
+    k3_values = torch.expm1(log_ratio) - log_ratio
+    found = {"token_kl": _band(*clusters.mean(kl, mask), sequences),
+             "k3": _band(*clusters.mean(k3_values, mask), sequences)}
+    quarter = tokens // 4
+    found["kl_by_band"] = clusters.by_position(kl, mask, [0, quarter, 2 * quarter, 3 * quarter, tokens])
+    found["kl_by_mu_bucket"] = clusters.by_bucket(kl, log_mu.exp(), mask, MU_EDGES)
+    block = min(128, quarter)  # chapter 4b's fit: prefixes every block/4 tokens, over runs of 2·block
+    slope, slope_se = clusters.prefix_slope(log_ratio, block // 4, 2 * block)
+    found["drift_per_1k"] = {**_band(slope, slope_se, sequences), "step": block // 4, "window": 2 * block,
+                             "expected": -1000 * found["token_kl"]["value"]}
+    prefix = log_ratio.cumsum(-1)
+    lengths = sorted({n for n in SD_LENGTHS if n <= tokens} | {tokens})
+    found["prefix_sd"] = {}
+    for n in lengths:
+        sd = float(prefix[:, n - 1].std())
+        low, high = clusters.sd_interval(sd, sequences)
+        found["prefix_sd"][n] = {"measured": sd, "low": low, "high": high,
+                                 "independent_tokens": math.sqrt(max(0.0, 2 * found["token_kl"]["value"] * n))}
+    health = grpo.importance_health(log_ratio, mask)  # each sequence's weight π(y)/μ(y), as the RL runs log it
+    found["sequence_weights"] = {"mean": health["seq_weight_mean"], "ess_share": health["ess"],
+                                 "chi2": health["seq_chi2"], "log_weight_mean": float(prefix[:, -1].mean()),
+                                 "log_weight_sd": float(prefix[:, -1].std())}
+    settings = framework_metrics.trl_defaults()
+    found["trl_modes"] = {"defaults": dict(settings), "lengths": lengths,
+                          **{mode: sampling_correction.by_length(log_ratio, tuple(lengths), mode, settings["clip_min"],
+                                                                 settings["clip_max"])
+                             for mode in sampling_correction.MODES}}
+    found["frameworks"] = framework_metrics.measure(log_pi, log_mu, mask)
+    found["framework_sources"] = dict(framework_metrics.SOURCES)
+    return found
+
+
+def verdicts(found: dict, sampler: str, trainer: str, mode: str, book_model: bool, temperature: float) -> dict:
+    """Per headline quantity: the book's measurements of the same set-up and the one-line verdict against them."""
+    from . import pretrained
+
+    why = ("" if book_model and temperature == 1.0 else
+           f"the book measured {pretrained.NAME} only; no range for another model" if not book_model else
+           f"the book measured at temperature 1 only; no range at temperature {temperature:g}")
+    default_mode = found["trl_modes"]["defaults"]["mode"]
+    rows = {"token_kl": (found["token_kl"]["value"], found["token_kl"]["low"], found["token_kl"]["high"]),
+            "k3": (found["k3"]["value"], found["k3"]["low"], found["k3"]["high"]),
+            "drift_per_1k": (found["drift_per_1k"]["value"], found["drift_per_1k"]["low"],
+                             found["drift_per_1k"]["high"])}
+    for n, sd in found["prefix_sd"].items():
+        rows[f"prefix_sd.{n}"] = (sd["measured"], sd["low"], sd["high"])
+    for n, weight in found["trl_modes"][default_mode].items():
+        low, high = clusters.interval(weight["mean"], weight["se"], found["token_kl"]["sequences"])
+        rows[f"trl_default_weight.{default_mode}.{n}"] = (weight["mean"], low, high)
+    out = {}
+    for quantity, (value, low, high) in rows.items():
+        refs = book_measurements.references(quantity, sampler, trainer, mode) if not why else []
+        out[quantity] = {"line": book_measurements.verdict(value, low, high, refs, why),
+                         "references": [asdict(r) for r in refs]}
+    return out
+
+
+def figure(found: dict, log_ratio: torch.Tensor, dial, path: Path) -> Path:
+    """The prefix log-ratio of every sequence beside −KL·n, and the exact KL by position band (± 2 s.e.)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from . import plots
+
+    plots.style()
+    format_name = {"real": str(rollout.DTYPES.get(dial.name)).removeprefix("torch."), "fp8": "float8_e4m3fn"}
+    colour = plots.colour(format_name.get(dial.kind, "emulated"))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    prefix = log_ratio.double().cumsum(-1)
+    positions = torch.arange(1, prefix.shape[1] + 1)
+    for i, row in enumerate(prefix):
+        left.plot(positions, row, color=colour, lw=0.8, alpha=0.6, label="one sequence each" if i == 0 else None)
+    left.plot(positions, -found["token_kl"]["value"] * positions, color="black", ls="--", lw=1,
+              label="−(exact token KL) × n")
+    left.set(xlabel="prefix length n (tokens)", ylabel="log π(y≤n) − log μ(y≤n) (nats)",
+             title="Sequence log-weight, per sequence")
+    left.legend(fontsize=8)
+    bands = [b for b in found["kl_by_band"] if math.isfinite(b["mean"])]
+    centres = [(b["from"] + b["to"]) / 2 for b in bands]
+    errors = [2 * b["stderr"] if math.isfinite(b["stderr"]) else 0.0 for b in bands]
+    right.errorbar(centres, [b["mean"] for b in bands], yerr=errors, fmt="o", color=colour, capsize=3)
+    right.axhline(found["token_kl"]["value"], color="black", ls=":", lw=1, label="over all tokens")
+    right.set(xlabel="position in the completion (tokens, band centre)", ylabel="exact token KL[μ‖π] (nats)",
+              title="Token KL by position band, ± 2 s.e.")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _plain(value):
+    """JSON-safe: tensors and numbers to floats, NaN and infinities to null, keys to strings."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def run(args: argparse.Namespace, profile=None) -> dict:
+    """Check the request, measure the mismatch, draw the figure, and return the whole report."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from . import env, mismatch, models, pretrained
+
+    began = time.perf_counter()
+    request = check_request(args)
+    model_id, kind, path, profile = resolve_model(args.model, profile)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as err:
+        raise _refuse(f"--model {args.model}: its config or tokenizer could not be read ({type(err).__name__}); "
+                      "check the name, and the network for a hub id.") from None
+    need = check_memory(args.sequences, args.tokens, config.vocab_size, request["device"])
+    prompts, prompt_kind = build_prompts(tokenizer, args.sequences, args.seed)
+    check_context(config, prompts, args.tokens)
+
+    model, tokenizer = models.load(model_id, kind, profile, device=request["device"])
+    loaded = time.perf_counter()
+    sampler = sampler_precision.engine(model, request["sampler"], request["device"])
+    out = sample_with_progress(sampler, prompts, args.tokens, args.temperature, args.seed)
+    del sampler
+    sampled = time.perf_counter()
+    trainer = rollout.TrainingEngine(model, torch.float32 if request["autocast"] else request["trainer_dtype"],
+                                     request["device"], micro_batch=MICRO_BATCH)
+    device_type = torch.device(request["device"]).type
+    scope = (torch.autocast(device_type, dtype=request["trainer_dtype"]) if request["autocast"]
+             else contextlib.nullcontext())
+    with scope:
+        scored = trainer.score(out, args.temperature, keep_vocab=True)
+    del trainer
+    mask = out.mask.float()
+    kl = mismatch.token_kl(out.vocab_logprobs, scored.vocab) * mask
+    log_mu, log_pi = out.logprobs, scored.logprobs
+    del out, scored
+    scored_at = time.perf_counter()
+
+    found = analyse(log_mu, log_pi, mask, kl)
+    book_model = args.model == pretrained.NAME
+    found["verdicts"] = verdicts(found, request["sampler"], request["trainer"], args.trainer_mode, book_model,
+                                 args.temperature)
+    report = env.env_report()
+    name = pretrained.DESCRIPTION if book_model else (f"the lab's toy {kind} model" if model_id is None else model_id)
+    found["setup"] = {
+        "model": name, "model_arg": args.model, "parameters": sum(w.numel() for w in model.parameters()),
+        "vocab_size": config.vocab_size, "layers": getattr(config, "num_hidden_layers", None),
+        "sampler": args.sampler, "sampler_label": request["dial"].label, "trainer": args.trainer,
+        "trainer_mode": args.trainer_mode, "trainer_label": trainer_label(request["trainer"], args.trainer_mode),
+        "temperature": args.temperature, "sequences": args.sequences, "tokens": args.tokens, "seed": args.seed,
+        "prompts": prompt_kind, "device": request["device"],
+        "device_name": report["device_name"] if request["device"] == "cuda" else report.get("cpu"),
+        "full_vocab_bytes": need, "env": report}
+    found["seconds"] = {"load": loaded - began, "sample": sampled - loaded, "score": scored_at - sampled}
+    path = args.figure or args.json.with_suffix(".png")
+    found["figure"] = str(figure(found, (log_pi - log_mu).double() * mask, request["dial"], path))
+    return found
+
+
+def trainer_label(dtype: str, mode: str) -> str:
+    """How the trainer computes, in words."""
+    if dtype == "fp32":
+        return "fp32 weights and arithmetic; autocast and pure agree"
+    if mode == "autocast":
+        return f"fp32 weights under torch.autocast to {dtype}"
+    return f"weights cast whole to {dtype}"
+
+
+def _num(value: float, stderr: float | None = None) -> str:
+    """A value to three digits, ± its standard error where it has one."""
+    text = f"{value:.3g}" if math.isfinite(value) else "—"
+    return text if stderr is None or not math.isfinite(stderr) else f"{text} ± {stderr:.2g}"
+
+
+def render(found: dict) -> str:
+    """The report as a short text for a terminal."""
+    s = found["setup"]
+    kl, k3, drift = found["token_kl"], found["k3"], found["drift_per_1k"]
+    lines = [f"mismatch doctor: {s['model']}, {s['parameters'] / 1e6:.1f}M parameters, vocabulary {s['vocab_size']:,}",
+             f"sampler {s['sampler']} ({s['sampler_label']}); trainer {s['trainer']} ({s['trainer_label']})",
+             f"{s['sequences']} sequences of {s['tokens']} tokens (EOS banned) from {s['prompts']}, temperature "
+             f"{s['temperature']:g}, seed {s['seed']}; {s['device']} ({s['device_name']})",
+             f"loaded in {found['seconds']['load']:.0f} s, sampled in {found['seconds']['sample']:.0f} s, "
+             f"scored in {found['seconds']['score']:.0f} s; ± is one standard error over sequences", "",
+             f"token KL[μ‖π], exact      {_num(kl['value'], kl['stderr'])} nats  "
+             f"(95%: {kl['low']:.3g} – {kl['high']:.3g})",
+             f"k3, sampled tokens only   {_num(k3['value'], k3['stderr'])} nats",
+             "KL by position band       " + ";  ".join(f"{b['from']}–{b['to']}: {_num(b['mean'], b['stderr'])}"
+                                                      for b in found["kl_by_band"]),
+             "KL by μ of the sampled token " + ";  ".join(
+                 f"[{b['from']:g}, {b['to']:g}): {_num(b['mean'], b['stderr'])} ({b['count']} tokens)"
+                 for b in found["kl_by_mu_bucket"] if b["count"]),
+             f"log-weight drift          {_num(drift['value'], drift['stderr'])} nats per 1K tokens "
+             f"(expected, −1000 × token KL: {drift['expected']:.3g})",
+             "prefix log-ratio SD       " + ";  ".join(
+                 f"at {n}: {v['measured']:.3g} (95%: {v['low']:.2g} – {v['high']:.2g}; independent tokens "
+                 f"{v['independent_tokens']:.2g})" for n, v in found["prefix_sd"].items())]
+    w = found["sequence_weights"]
+    lines.append(f"sequence weights π(y)/μ(y) ESS share {w['ess_share']:.3f} of {s['sequences']} sequences, "
+                 f"χ² {w['chi2']:.3g}, mean {w['mean']:.3g}")
+    trl = found["trl_modes"]
+    d = trl["defaults"]
+    last = trl["lengths"][-1]
+    lines += ["", f"trl's vllm_importance_sampling_mode on these samples (clip_min {d['clip_min']}, clip_max "
+                  f"{d['clip_max']}): mean weight of a completion at {last} tokens, share cut"]
+    for mode in sampling_correction.MODES:
+        r = trl[mode][last]
+        unit = "completions" if mode.startswith("sequence") else "tokens"
+        lines.append(f"  {mode:<18}{' (default)' if mode == d['mode'] else '          '} {_num(r['mean'], r['se'])}, "
+                     f"{100 * r['cut_share']:.0f}% of {unit} {'masked' if mode.endswith('mask') else 'clipped'}")
+    shown = {"trl": list(found["frameworks"]["trl"]),
+             "verl": ["rollout_corr/k3_kl", "rollout_corr/kl", "rollout_corr/chi2_token", "rollout_corr/chi2_seq",
+                      "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/rollout_is_ratio_fraction_high"],
+             "NeMo-RL": list(found["frameworks"]["NeMo-RL"])}
+    lines += ["", "what each framework would log for this batch, at its defaults (all of them in the JSON):"]
+    for framework, names in shown.items():
+        lines.append(f"  {framework}: " + ", ".join(f"{n} {found['frameworks'][framework][n]:.4g}" for n in names))
+    names = {"token_kl": "token KL", "k3": "k3", "drift_per_1k": "drift per 1K"}
+    here = book_measurements.device(s["env"].get("cpu", "?"), s["env"].get("kernels", "?"))
+    lines += ["", "against the book's own measurements of its real model at temperature 1 (95% intervals):"]
+    for quantity, v in found["verdicts"].items():
+        label = names.get(quantity) or (f"prefix SD at {quantity.split('.')[1]}" if quantity.startswith("prefix_sd")
+                                        else f"trl default weight at {quantity.split('.')[2]}")
+        lines.append(f"  {label}: {v['line']}")
+        for r in v["references"]:
+            on = "this run's CPU and kernels" if r["device"] == here and s["device"] == "cpu" else r["device"]
+            lines.append(f"      from {r['where']}; on {on}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, profile=None) -> dict:
+    """Run the doctor from the command line: print the report, write the JSON and the figure."""
+    args = _parser().parse_args(argv)
+    found = run(args, profile)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(_plain(found), indent=1) + "\n")
+    print(render(found))
+    print(f"\nwrote {args.json} and {found['figure']}")
+    return found
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The mismatch doctor: a bad request stops in one sentence before anything loads, and a run on the tiny
+lab model writes its report and figure."""
+import json
+
+import pytest
+
+from labutils import book_measurements, doctor
+
+
+def refusal(argv, **kwargs) -> str:
+    """The sentence `doctor.main(argv)` exits with (a non-zero exit: SystemExit with a message)."""
+    with pytest.raises(SystemExit) as stopped:
+        doctor.main(argv, **kwargs)
+    said = stopped.value.code
+    assert isinstance(said, str) and said, f"exited with {said!r}, not a sentence"
+    assert said.endswith(".") and said.count(". ") == 0, said
+    return said
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sampler", "llama.cpp:q4_0"], ["llama.cpp is not installed", "torch:bf16"]),
+    (["--trainer", "llama.cpp:fp32"], ["llama.cpp is not installed", "torch:fp32"]),
+    (["--sampler", "vllm:bf16"], ["'vllm'", "use torch"]),
+    (["--sampler", "bf16"], ["ENGINE:DTYPE"]),
+    (["--sampler", "torch:int4"], ["not on the dial"]),
+    (["--trainer", "torch:fp8"], ["fp32, bf16 or fp16"]),
+    (["--tokens", "8"], ["at least 16"]),
+    (["--sequences", "1"], ["at least 2"]),
+    (["--temperature", "0"], ["must be positive"]),
+    (["--model", "lab:giant"], ["lab:dense"]),
+    (["--model", "./no/such/checkpoint"], ["does not exist"]),
+])
+def test_a_bad_request_stops_in_one_sentence(argv, words, tmp_path):
+    said = refusal([*argv, "--json", str(tmp_path / "d.json")])
+    for word in words:
+        assert word in said, said
+    assert not (tmp_path / "d.json").exists()
+
+
+def test_a_device_that_is_not_there_is_refused(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert "no CUDA GPU" in refusal(["--device", "cuda", "--json", str(tmp_path / "d.json")])
+
+
+def test_a_length_past_the_context_and_too_much_memory_are_refused(tiny_profile, lab_cache, tmp_path):
+    base = ["--model", "lab:dense", "--json", str(tmp_path / "d.json")]
+    context = tiny_profile.dense.max_positions
+    said = refusal([*base, "--tokens", str(context)], profile=tiny_profile)
+    assert f"context of {context} tokens" in said and "--tokens" in said
+    said = refusal([*base, "--tokens", "64", "--sequences", str(10 ** 9)], profile=tiny_profile)
+    assert "lower --sequences" in said and "GB" in said
+
+
+def test_a_run_on_the_tiny_model_writes_its_report_and_figure(tiny_profile, lab_cache, tmp_path, capsys):
+    target = tmp_path / "doctor.json"
+    found = doctor.main(["--model", "lab:dense", "--sampler", "torch:bf16", "--trainer", "torch:fp32",
+                         "--tokens", "16", "--sequences", "3", "--json", str(target)], profile=tiny_profile)
+    written = json.loads(target.read_text())
+    assert (tmp_path / "doctor.png").stat().st_size > 0 and written["figure"] == str(tmp_path / "doctor.png")
+    assert written["setup"]["prompts"] == "the toy task's prompts" and written["setup"]["tokens"] == 16
+    kl = written["token_kl"]
+    assert kl["value"] >= 0 and kl["sequences"] == 3 and kl["low"] <= kl["value"] <= kl["high"]
+    assert [b["to"] for b in written["kl_by_band"]] == [4, 8, 12, 16]
+    assert sum(b["count"] for b in written["kl_by_mu_bucket"]) == 3 * 16
+    assert list(written["prefix_sd"]) == ["16"]
+    assert set(written["frameworks"]) == {"trl", "verl", "NeMo-RL"}
+    assert written["frameworks"]["verl"]["rollout_corr/k3_kl"] == pytest.approx(written["k3"]["value"], rel=1e-6)
+    assert set(written["trl_modes"]) >= {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"}
+    assert all("no range" in v["line"] for v in written["verdicts"].values())  # the book measured another model
+    printed = capsys.readouterr().out
+    assert "token KL[μ‖π], exact" in printed and "wrote" in printed
+    assert found["setup"]["sampler"] == "torch:bf16"
+
+
+def test_the_pure_trainer_and_an_fp8_sampler_run_too(tiny_profile, lab_cache, tmp_path):
+    found = doctor.main(["--model", "lab:dense", "--sampler", "torch:fp8", "--trainer", "torch:bf16",
+                         "--trainer-mode", "pure", "--tokens", "16", "--sequences", "2",
+                         "--json", str(tmp_path / "d.json"), "--figure", str(tmp_path / "f" / "fig.png")],
+                        profile=tiny_profile)
+    assert (tmp_path / "f" / "fig.png").is_file() and found["setup"]["trainer_mode"] == "pure"
+
+
+def test_a_verdict_says_in_line_above_or_below_from_the_intervals_alone():
+    book = [book_measurements.Reference(1e-3, 0.8e-3, 1.2e-3, "a", "cpu"),
+            book_measurements.Reference(2e-3, 1.5e-3, 2.5e-3, "b", "cpu")]
+    said = {value: book_measurements.verdict(value, 0.8 * value, 1.2 * value, book) for value in (2.2e-3, 6e-3, 2e-4)}
+    assert said[2.2e-3].startswith("in line with the book's 0.001 – 0.002")
+    assert said[6e-3].startswith("above the book's 0.001 – 0.002 (3× over it)")
+    assert said[2e-4].startswith("below the book's 0.001 – 0.002 (5× under it)")
+    assert "not measured" in book_measurements.verdict(1.0, 0.5, 1.5, [])
+
+
+def test_the_books_measurements_are_read_from_its_cpu_build_and_committed_run(tmp_path, monkeypatch):
+    from labutils import pretrained
+
+    build = tmp_path / "results"
+    build.mkdir()
+    metrics = {"real.model": pretrained.DESCRIPTION, "real.sequences.bf16": 8, "real.tokens.bf16": 8 * 512,
+               "real.exact_sequences.bf16": 4, "real.token_kl.bf16": 2e-3, "real.token_kl_stderr.bf16": 1e-4}
+    env = {"cpu": "a CPU", "kernels": "its kernels"}
+    (build / "04b_real_mismatch.json").write_text(json.dumps({"profile": "cpu", "env": env, "metrics": metrics}))
+    committed = tmp_path / "real_rl.json"
+    committed.write_text(json.dumps({"provenance": {"model": f"{pretrained.NAME}-0123"},
+                                     "plan": {"probe_sequences": 32, "max_new_tokens": 12},
+                                     "growth": {"bf16_bf16": {"start": 3e-3, "start_se": 2e-4, "seeds": 1}}}))
+    monkeypatch.setattr(book_measurements, "BUILD", build)
+    monkeypatch.setattr(book_measurements, "COMMITTED_RL", committed)
+    pure = book_measurements.references("token_kl", "bf16", "bf16", "pure")
+    assert [r.value for r in pure] == [2e-3] and "4 chat requests × 512 tokens" in pure[0].where
+    assert pure[0].device == "a CPU; its kernels"
+    assert pure[0].low < 2e-3 - 2e-4  # a t interval over 4 sequences is wider than ± 2 standard errors
+    assert [r.value for r in book_measurements.references("token_kl", "bf16", "bf16", "autocast")] == [3e-3]
+    assert book_measurements.references("token_kl", "bf16", "fp16", "pure") == []
+    (build / "04b_real_mismatch.json").write_text(json.dumps({"profile": "test", "metrics": metrics}))
+    assert book_measurements.references("token_kl", "bf16", "bf16", "pure") == []  # a test build measures the toy
+
+
+def test_the_progress_bar_leaves_the_models_output_alone(tiny_profile, lab_cache, tmp_path, monkeypatch):
+    import tqdm
+
+    monkeypatch.setattr(tqdm.tqdm, "update", lambda self, n=1: True)  # tqdm returns True whenever it redraws
+    found = doctor.main(["--model", "lab:dense", "--tokens", "16", "--sequences", "2",
+                         "--json", str(tmp_path / "d.json")], profile=tiny_profile)
+    assert found["token_kl"]["sequences"] == 2
