@@ -112,9 +112,13 @@ def holm(p_values: dict[str, float], alpha: float = 0.05) -> set[str]:
     return rejected
 
 
-def verdict(drop: float, se: float, smallest: float, alpha: float = 0.05, dof: int | None = None) -> str:
-    """'shown' when the drop of ρ below 1 is beyond its interval, 'contradicted' when its interval lies within
-    ± the smallest drop that matters, else 'unresolved'."""
+def verdict(drop: float, se: float, smallest: float, alpha: float = 0.05, dof: int | None = None,
+            change: tuple[float, float] | None = None) -> str:
+    """'shown' when the drop of ρ below 1 is beyond its interval; 'contradicted' when its 1 − 2α interval lies
+    within ± the smallest drop that matters (two one-sided tests at α) and, given `change` (B² and its standard
+    error), the whole change's upper bound lies below that drop squared; else 'unresolved'."""
     if drop > 0 and beyond(drop, se, alpha, dof):
         return "shown"
-    return "contradicted" if within(drop, se, smallest, alpha, dof) else "unresolved"
+    equivalent = within(drop, se, smallest, 2 * alpha, dof) and (
+        change is None or change[0] + critical(2 * alpha, dof) * change[1] < smallest ** 2)
+    return "contradicted" if equivalent else "unresolved"
