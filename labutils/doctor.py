@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
-from . import book_measurements, clusters, framework_metrics, grpo, rollout, sampler_precision, sampling_correction
+from . import (book_measurements, clusters, framework_metrics, grpo, llamacpp, rollout, sampler_precision,
+               sampling_correction, serving_options)
 
-ENGINES = ("torch",)
+ENGINES = ("torch", "llama.cpp")  # llama.cpp samples only: the trainer is the one that takes gradients
 TRAINER_DTYPES = tuple(rollout.DTYPES)  # fp32, bf16, fp16
 TRAINER_MODES = ("autocast", "pure")
 MICRO_BATCH = 4  # sequences per teacher-forced forward: its fp32 logits are part of the memory estimate
@@ -40,19 +41,23 @@ def _refuse(sentence: str) -> SystemExit:
     return SystemExit(sentence)
 
 
-def parse_engine(text: str, flag: str) -> str:
-    """The dtype part of `ENGINE:DTYPE`, once the engine is one this doctor runs."""
+def parse_engine(text: str, flag: str) -> tuple[str, str]:
+    """`ENGINE:DTYPE` split in two, once the engine is one this doctor runs on that side."""
     engine, colon, dtype = text.partition(":")
     if not colon or not engine or not dtype:
         raise _refuse(f"{flag} {text!r} must be ENGINE:DTYPE, for example {flag} torch:bf16.")
-    if engine == "llama.cpp":
-        raise _refuse(f"llama.cpp is not installed in this lab, so {flag} {text} cannot run here; measure with the "
-                      f"book's torch engines instead ({flag} torch:fp32, torch:bf16, torch:fp16"
-                      f"{', torch:fp8 or torch:m2 … torch:m10' if flag == '--sampler' else ''}).")
     if engine not in ENGINES:
-        raise _refuse(f"engine {engine!r} in {flag} {text} is not one this doctor runs; use torch "
-                      "(llama.cpp is not installed in this lab).")
-    return dtype
+        raise _refuse(f"engine {engine!r} in {flag} {text} is not one this doctor runs; use torch or llama.cpp.")
+    if engine == "llama.cpp" and flag == "--trainer":
+        raise _refuse(f"--trainer {text}: llama.cpp samples but does not train; the trainer is torch "
+                      "(--trainer torch:fp32, torch:bf16 or torch:fp16).")
+    if engine == "llama.cpp":
+        try:
+            llamacpp.check_kind(dtype)
+            llamacpp.require()
+        except (ValueError, ModuleNotFoundError) as err:
+            raise _refuse(f"{flag} {text}: {err}") from None
+    return engine, dtype
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,11 +68,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=pretrained.NAME,
                         help=f"{pretrained.NAME} (the book's real model), a save_pretrained directory, a hub id, "
                              "or lab:dense / lab:moe (the lab's toy models)")
-    parser.add_argument("--sampler", default="torch:bf16", help="ENGINE:DTYPE; dtype fp32, bf16, fp16, fp8, "
-                                                                "fp8_channel or m2 … m10 (emulated)")
+    parser.add_argument("--sampler", default="torch:bf16",
+                        help="ENGINE:DTYPE: torch:fp32, bf16, fp16, fp8, fp8_channel or m2 … m10 (emulated), or "
+                             f"llama.cpp:{', '.join(llamacpp.KINDS)} (the real model only)")
     parser.add_argument("--trainer", default="torch:fp32", help="torch:DTYPE with DTYPE fp32, bf16 or fp16")
     parser.add_argument("--trainer-mode", default="autocast", choices=TRAINER_MODES)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampler's nucleus (torch samplers); the "
+                                                                 "trainer scores the full distribution")
+    parser.add_argument("--logprobs", default="processed", choices=("processed", "raw"),
+                        help="log μ as the sampler reports it: after its temperature, or raw (vLLM V1's default)")
+    parser.add_argument("--fp32-head", default="none", choices=("none", "sampler", "trainer", "both"),
+                        help="compute the LM head in fp32 on that side (torch engines)")
+    parser.add_argument("--lora", type=float, default=0.0, metavar="SIZE",
+                        help="a random LoRA adapter whose product is SIZE × each decoder weight's norm (e.g. "
+                             "0.01): merged into the sampler, unmerged in the trainer; 0 for none")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
+                        help="sequences per trainer forward (1: each scored alone)")
     parser.add_argument("--tokens", type=int, default=256, help="completion tokens per sequence, EOS banned")
     parser.add_argument("--sequences", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
@@ -77,14 +95,47 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_options(args: argparse.Namespace, sampler_engine: str) -> None:
+    """The stack options (top-p, raw log-probabilities, fp32 head, LoRA, micro-batch), checked; one sentence."""
+    if not 0 < args.top_p <= 1:
+        raise _refuse(f"--top-p {args.top_p} must be above 0 and at most 1.")
+    if args.top_p < 1 and args.logprobs == "raw":
+        raise _refuse("--logprobs raw cannot be recovered from a truncated distribution; drop --top-p or "
+                      "use --logprobs processed.")
+    if args.micro_batch < 1:
+        raise _refuse(f"--micro-batch {args.micro_batch} must be at least 1.")
+    if not 0 <= args.lora < 1 or args.lora_rank < 1:
+        raise _refuse(f"--lora {args.lora} must be a relative size in [0, 1) with --lora-rank at least 1.")
+    if sampler_engine == "llama.cpp":
+        asked = [flag for flag, on in (("--top-p", args.top_p < 1), ("--lora", args.lora > 0),
+                                       ("--fp32-head " + args.fp32_head, args.fp32_head in ("sampler", "both")))
+                 if on]
+        if asked:
+            raise _refuse(f"{' and '.join(asked)} change the book's torch sampler, not llama.cpp's; "
+                          "use a torch sampler (--sampler torch:bf16) for them.")
+
+
+def _real_model_name() -> str:
+    from . import pretrained
+
+    return pretrained.NAME
+
+
 def check_request(args: argparse.Namespace) -> dict:
     """The request's engines, dtypes and sizes, checked before anything heavy loads; one sentence where not."""
-    sampler_name = parse_engine(args.sampler, "--sampler")
-    trainer_name = parse_engine(args.trainer, "--trainer")
-    try:
-        dial = sampler_precision.parse(sampler_name)
-    except ValueError as err:
-        raise _refuse(f"--sampler {args.sampler}: {err}") from None
+    sampler_engine, sampler_name = parse_engine(args.sampler, "--sampler")
+    _, trainer_name = parse_engine(args.trainer, "--trainer")
+    dial = None
+    if sampler_engine == "torch":
+        try:
+            dial = sampler_precision.parse(sampler_name)
+        except ValueError as err:
+            raise _refuse(f"--sampler {args.sampler}: {err}") from None
+    elif args.model != _real_model_name():
+        try:
+            llamacpp.check_model(None if args.model.startswith("lab:") else args.model)
+        except ValueError as err:
+            raise _refuse(f"--sampler {args.sampler}: {err}") from None
     if trainer_name not in TRAINER_DTYPES:
         raise _refuse(f"--trainer {args.trainer}: a trainer holds fp32, bf16 or fp16 weights, not {trainer_name!r}; "
                       "choose one of torch:fp32, torch:bf16, torch:fp16.")
@@ -98,9 +149,12 @@ def check_request(args: argparse.Namespace) -> dict:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise _refuse("--device cuda: torch sees no CUDA GPU on this machine; use --device cpu.")
+    if sampler_engine == "llama.cpp" and device == "cuda":
+        raise _refuse(f"--sampler {args.sampler}: the lab's llama.cpp is built for the CPU; add --device cpu.")
+    check_options(args, sampler_engine)
     trainer_dtype = rollout.DTYPES[trainer_name]
     try:  # a matmul in each engine's dtype on this device (rollout.engine_dtype's probe)
-        rollout.engine_dtype(dial.engine_dtype, device)
+        rollout.engine_dtype(dial.engine_dtype if dial else "fp32", device)
         rollout.engine_dtype(trainer_name, device)
     except (RuntimeError, ValueError) as err:
         raise _refuse(str(err)) from None
@@ -112,8 +166,10 @@ def check_request(args: argparse.Namespace) -> dict:
         if computed != trainer_dtype:
             raise _refuse(f"torch.autocast on {device} does not compute in {trainer_name} here; "
                           "use --trainer-mode pure.")
-    return {"dial": dial, "sampler": sampler_name, "trainer": trainer_name, "trainer_dtype": trainer_dtype,
-            "autocast": autocast, "device": device}
+    label = dial.label if dial else f"llama.cpp {llamacpp.VERSION}: {llamacpp.PRECISION[sampler_name]}"
+    return {"dial": dial, "engine": sampler_engine, "sampler": sampler_name, "label": label,
+            "book_sampler": sampler_name if dial else args.sampler, "trainer": trainer_name,
+            "trainer_dtype": trainer_dtype, "autocast": autocast, "device": device}
 
 
 def available_memory() -> tuple[int, str]:
@@ -129,15 +185,15 @@ def available_memory() -> tuple[int, str]:
     return 0, "unknown"
 
 
-def full_vocab_bytes(sequences: int, tokens: int, vocab: int) -> int:
+def full_vocab_bytes(sequences: int, tokens: int, vocab: int, micro_batch: int = MICRO_BATCH) -> int:
     """Bytes the exact KL holds at once: log μ and log π of every vocabulary entry at every position (fp32),
     one micro-batch of the trainer's fp32 logits, and the float64 chunk the KL is summed in."""
-    return 4 * vocab * (2 * sequences * tokens + min(sequences, MICRO_BATCH) * tokens) + 3 * 8 * vocab * KL_CHUNK
+    return 4 * vocab * (2 * sequences * tokens + min(sequences, micro_batch) * tokens) + 3 * 8 * vocab * KL_CHUNK
 
 
-def check_memory(sequences: int, tokens: int, vocab: int, device: str) -> int:
+def check_memory(sequences: int, tokens: int, vocab: int, device: str, micro_batch: int = MICRO_BATCH) -> int:
     """The bytes `full_vocab_bytes` asks for, after checking they fit; one sentence naming the flag where not."""
-    need = full_vocab_bytes(sequences, tokens, vocab)
+    need = full_vocab_bytes(sequences, tokens, vocab, micro_batch)
     have, _ = available_memory()
     if have and need > have:
         raise _refuse(f"the full-vocabulary log-probabilities of {sequences} sequences × {tokens} tokens "
@@ -145,7 +201,7 @@ def check_memory(sequences: int, tokens: int, vocab: int, device: str) -> int:
                       "available; lower --sequences (or --tokens).")
     if device == "cuda":  # the sampler keeps its log μ on the GPU until it returns
         free, _ = torch.cuda.mem_get_info()
-        on_gpu = 4 * vocab * sequences * tokens + 4 * vocab * min(sequences, MICRO_BATCH) * tokens
+        on_gpu = 4 * vocab * sequences * tokens + 4 * vocab * min(sequences, micro_batch) * tokens
         if on_gpu > free:
             raise _refuse(f"the full-vocabulary log-probabilities of {sequences} sequences × {tokens} tokens need "
                           f"about {on_gpu / 1e9:.1f} GB on the GPU and {free / 1e9:.1f} GB is free; lower "
@@ -198,12 +254,17 @@ def sample_with_progress(engine, prompts: list[list[int]], tokens: int, temperat
         def tick(*_) -> None:  # a forward hook that returned a value would replace the model's output
             bar.update(1)
 
-        hook = engine.model.register_forward_hook(tick)  # one forward per token position
+        if isinstance(engine, llamacpp.Engine):  # llama.cpp calls back once per decoded position
+            engine.on_step = tick
+            hook = None
+        else:
+            hook = engine.model.register_forward_hook(tick)  # one forward per token position
         try:
             return engine.sample(prompts, tokens, tokens, temperature=temperature, keep_vocab=True,
                                  generator=generator)
         finally:
-            hook.remove()
+            if hook is not None:
+                hook.remove()
 
 
 def _band(value: float, stderr: float, sequences: int) -> dict:
@@ -273,7 +334,7 @@ def verdicts(found: dict, sampler: str, trainer: str, mode: str, book_model: boo
     return out
 
 
-def figure(found: dict, log_ratio: torch.Tensor, dial, path: Path) -> Path:
+def figure(found: dict, log_ratio: torch.Tensor, colour_of: str, path: Path) -> Path:
     """The prefix log-ratio of every sequence beside −KL·n, and the exact KL by position band (± 2 s.e.)."""
     import matplotlib
 
@@ -283,8 +344,7 @@ def figure(found: dict, log_ratio: torch.Tensor, dial, path: Path) -> Path:
     from . import plots
 
     plots.style()
-    format_name = {"real": str(rollout.DTYPES.get(dial.name)).removeprefix("torch."), "fp8": "float8_e4m3fn"}
-    colour = plots.colour(format_name.get(dial.kind, "emulated"))
+    colour = plots.colour(colour_of)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     prefix = log_ratio.double().cumsum(-1)
     positions = torch.arange(1, prefix.shape[1] + 1)
@@ -338,18 +398,24 @@ def run(args: argparse.Namespace, profile=None) -> dict:
     except OSError as err:
         raise _refuse(f"--model {args.model}: its config or tokenizer could not be read ({type(err).__name__}); "
                       "check the name, and the network for a hub id.") from None
-    need = check_memory(args.sequences, args.tokens, config.vocab_size, request["device"])
+    need = check_memory(args.sequences, args.tokens, config.vocab_size, request["device"], args.micro_batch)
     prompts, prompt_kind = build_prompts(tokenizer, args.sequences, args.seed)
     check_context(config, prompts, args.tokens)
 
     model, tokenizer = models.load(model_id, kind, profile, device=request["device"])
     loaded = time.perf_counter()
-    sampler = sampler_precision.engine(model, request["sampler"], request["device"])
+    sampler, trainer = build_engines(args, request, model)
+    nucleus = (serving_options.Nucleus(sampler, args.top_p, args.temperature) if args.top_p < 1 else None)
     out = sample_with_progress(sampler, prompts, args.tokens, args.temperature, args.seed)
+    if nucleus is not None:
+        nucleus.remove()
+    if request["engine"] == "llama.cpp":
+        sampler.close()
     del sampler
+    if args.logprobs == "raw":  # what a server returns before its temperature: the trainer's μ is then wrong
+        out.vocab_logprobs = serving_options.raw_logprobs(out.vocab_logprobs, args.temperature)
+        out.logprobs = out.vocab_logprobs.gather(-1, out.completion_ids[..., None]).squeeze(-1) * out.mask
     sampled = time.perf_counter()
-    trainer = rollout.TrainingEngine(model, torch.float32 if request["autocast"] else request["trainer_dtype"],
-                                     request["device"], micro_batch=MICRO_BATCH)
     device_type = torch.device(request["device"]).type
     scope = (torch.autocast(device_type, dtype=request["trainer_dtype"]) if request["autocast"]
              else contextlib.nullcontext())
@@ -363,24 +429,58 @@ def run(args: argparse.Namespace, profile=None) -> dict:
     scored_at = time.perf_counter()
 
     found = analyse(log_mu, log_pi, mask, kl)
+    found["per_sequence_kl"] = ((kl * mask).sum(-1) / mask.sum(-1)).tolist()  # for comparisons paired by prompt
+    if nucleus is not None:  # where the engines otherwise agree, KL[μ‖π] = −log(kept mass) per token
+        lost = -nucleus.kept_mass()[:, : mask.shape[1]].double().log() * mask
+        found["top_p"] = {"p": args.top_p, "closed_form": _band(*clusters.mean(lost, mask), args.sequences),
+                          "kept_mass": float((nucleus.kept_mass()[:, : mask.shape[1]] * mask).sum() / mask.sum())}
     book_model = args.model == pretrained.NAME
-    found["verdicts"] = verdicts(found, request["sampler"], request["trainer"], args.trainer_mode, book_model,
+    found["verdicts"] = verdicts(found, request["book_sampler"], request["trainer"], args.trainer_mode, book_model,
                                  args.temperature)
     report = env.env_report()
     name = pretrained.DESCRIPTION if book_model else (f"the lab's toy {kind} model" if model_id is None else model_id)
     found["setup"] = {
         "model": name, "model_arg": args.model, "parameters": sum(w.numel() for w in model.parameters()),
         "vocab_size": config.vocab_size, "layers": getattr(config, "num_hidden_layers", None),
-        "sampler": args.sampler, "sampler_label": request["dial"].label, "trainer": args.trainer,
+        "sampler": args.sampler, "sampler_label": request["label"], "trainer": args.trainer,
         "trainer_mode": args.trainer_mode, "trainer_label": trainer_label(request["trainer"], args.trainer_mode),
         "temperature": args.temperature, "sequences": args.sequences, "tokens": args.tokens, "seed": args.seed,
-        "prompts": prompt_kind, "device": request["device"],
+        "prompts": prompt_kind, "device": request["device"], "top_p": args.top_p, "logprobs": args.logprobs,
+        "fp32_head": args.fp32_head, "lora": args.lora, "lora_rank": args.lora_rank, "micro_batch": args.micro_batch,
         "device_name": report["device_name"] if request["device"] == "cuda" else report.get("cpu"),
         "full_vocab_bytes": need, "env": report}
     found["seconds"] = {"load": loaded - began, "sample": sampled - loaded, "score": scored_at - sampled}
     path = args.figure or args.json.with_suffix(".png")
-    found["figure"] = str(figure(found, (log_pi - log_mu).double() * mask, request["dial"], path))
+    found["figure"] = str(figure(found, (log_pi - log_mu).double() * mask, colour_name(request), path))
     return found
+
+
+def colour_name(request: dict) -> str:
+    """The format whose colour the figure draws the sampler in (grey for emulated and block formats)."""
+    dial = request["dial"]
+    if dial is None:
+        return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(request["sampler"], "emulated")
+    names = {"real": str(rollout.DTYPES.get(dial.name)).removeprefix("torch."), "fp8": "float8_e4m3fn"}
+    return names.get(dial.kind, "emulated")
+
+
+def build_engines(args: argparse.Namespace, request: dict, model):
+    """The sampler and the trainer the request names, with its LoRA adapter and fp32 heads where asked."""
+    trainer_dtype = torch.float32 if request["autocast"] else request["trainer_dtype"]
+    if request["engine"] == "llama.cpp":
+        sampler = llamacpp.Engine(request["sampler"])
+    elif args.lora > 0:
+        sampler, trainer = serving_options.lora_pair(model, args.lora, args.lora_rank, request["sampler"],
+                                                     trainer_dtype, request["device"], args.micro_batch, args.seed)
+    else:
+        sampler = sampler_precision.engine(model, request["sampler"], request["device"])
+    if args.lora == 0:
+        trainer = rollout.TrainingEngine(model, trainer_dtype, request["device"], micro_batch=args.micro_batch)
+    if args.fp32_head in ("sampler", "both"):
+        serving_options.fp32_head(sampler, model)
+    if args.fp32_head in ("trainer", "both"):
+        serving_options.fp32_head(trainer, model)
+    return sampler, trainer
 
 
 def trainer_label(dtype: str, mode: str) -> str:
@@ -398,6 +498,17 @@ def _num(value: float, stderr: float | None = None) -> str:
     return text if stderr is None or not math.isfinite(stderr) else f"{text} ± {stderr:.2g}"
 
 
+def options(setup: dict) -> str:
+    """The stack options that differ from the defaults, in words."""
+    said = [f"top-p {setup['top_p']:g}" if setup.get("top_p", 1) < 1 else "",
+            "raw log μ (before temperature)" if setup.get("logprobs") == "raw" else "",
+            f"fp32 LM head on the {setup['fp32_head']} side" if setup.get("fp32_head", "none") != "none" else "",
+            f"LoRA rank {setup['lora_rank']} of relative size {setup['lora']:g}, merged in the sampler"
+            if setup.get("lora") else "",
+            f"trainer micro-batch {setup['micro_batch']}" if setup.get("micro_batch", MICRO_BATCH) != MICRO_BATCH else ""]
+    return "; ".join(x for x in said if x).replace("on the both side", "on both sides")
+
+
 def render(found: dict) -> str:
     """The report as a short text for a terminal."""
     s = found["setup"]
@@ -406,6 +517,7 @@ def render(found: dict) -> str:
              f"sampler {s['sampler']} ({s['sampler_label']}); trainer {s['trainer']} ({s['trainer_label']})",
              f"{s['sequences']} sequences of {s['tokens']} tokens (EOS banned) from {s['prompts']}, temperature "
              f"{s['temperature']:g}, seed {s['seed']}; {s['device']} ({s['device_name']})",
+             *([f"options: {options(s)}"] if options(s) else []),
              f"loaded in {found['seconds']['load']:.0f} s, sampled in {found['seconds']['sample']:.0f} s, "
              f"scored in {found['seconds']['score']:.0f} s; ± is one standard error over sequences", "",
              f"token KL[μ‖π], exact      {_num(kl['value'], kl['stderr'])} nats  "
@@ -421,6 +533,10 @@ def render(found: dict) -> str:
              "prefix log-ratio SD       " + ";  ".join(
                  f"at {n}: {v['measured']:.3g} (95%: {v['low']:.2g} – {v['high']:.2g}; independent tokens "
                  f"{v['independent_tokens']:.2g})" for n, v in found["prefix_sd"].items())]
+    if "top_p" in found:
+        t = found["top_p"]
+        lines.append(f"top-p {t['p']:g} keeps {t['kept_mass']:.3f} of π's mass per token on average; its closed "
+                     f"form −log(kept) is {_num(t['closed_form']['value'], t['closed_form']['stderr'])} nats per token")
     w = found["sequence_weights"]
     lines.append(f"sequence weights π(y)/μ(y) ESS share {w['ess_share']:.3f} of {s['sequences']} sequences, "
                  f"χ² {w['chi2']:.3g}, mean {w['mean']:.3g}")

@@ -85,6 +85,13 @@ REQUIRED_METRICS = {
     + [f"real.rl.long.{pair}.{m}" for pair in ("fp32_fp32", "bf16_bf16", "fp16_fp16")
        for m in ("probe_kl_start", "probe_kl_end", "probe_kl_change", "probe_kl_change_se", "seeds", "seeds_agree",
                  "drift_end", "eval_start", "eval_end")],
+    "04c_two_programs": ["live.kl.llamacpp_f32.kl", "live.kl.torch_fp16.kl", "ratio.same_program.value",
+                         "ratio.cross_program.value", "ratio.cross_program.low", "ratio.fp16_over_engine.value",
+                         "engine_share", "cross.llamacpp_bf16.torch_bf16.token_kl",
+                         "cross.llamacpp_f16.torch_fp16.token_kl", "cross.llamacpp_f32.torch_fp32.token_kl",
+                         "cross.llamacpp_q8_0.torch_fp32.token_kl", "cross.llamacpp_q4_0.torch_fp32.token_kl",
+                         "cross.torch_fp8.torch_fp32.token_kl", "speed.llamacpp_f32", "speed.torch_fp32",
+                         "atlas.0.token_kl", "atlas.9.ratio"],
     "05c_update_direction": ["coupling.mean_first_difference.bf16_same_seed", "live.bf16.dose",
                              "direction.verdict.biased", "direction.verdict.restored", "direction.at_paper.power",
                              "direction.at_paper.rho", "direction.at_paper.rho_se", "direction.bf16.dose",

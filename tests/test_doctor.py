@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from labutils import book_measurements, doctor
+from labutils import book_measurements, cross_engine, doctor, serving_options
 
 
 def refusal(argv, **kwargs) -> str:
@@ -18,9 +18,11 @@ def refusal(argv, **kwargs) -> str:
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--sampler", "llama.cpp:q4_0"], ["llama.cpp is not installed", "torch:bf16"]),
-    (["--trainer", "llama.cpp:fp32"], ["llama.cpp is not installed", "torch:fp32"]),
-    (["--sampler", "vllm:bf16"], ["'vllm'", "use torch"]),
+    (["--sampler", "llama.cpp:q5_k"], ["'q5_k'", "f32, f16, bf16, q8_0, q4_0"]),
+    (["--trainer", "llama.cpp:f32"], ["does not train", "torch:fp32"]),
+    (["--sampler", "llama.cpp:bf16", "--model", "lab:dense"], ["only for smollm2-135m-instruct",
+                                                                "convert_hf_to_gguf.py"]),
+    (["--sampler", "vllm:bf16"], ["'vllm'", "use torch or llama.cpp"]),
     (["--sampler", "bf16"], ["ENGINE:DTYPE"]),
     (["--sampler", "torch:int4"], ["not on the dial"]),
     (["--trainer", "torch:fp8"], ["fp32, bf16 or fp16"]),
@@ -35,6 +37,15 @@ def test_a_bad_request_stops_in_one_sentence(argv, words, tmp_path):
     for word in words:
         assert word in said, said
     assert not (tmp_path / "d.json").exists()
+
+
+def test_a_missing_llama_cpp_build_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find(name, *a))
+    said = refusal(["--sampler", "llama.cpp:bf16", "--json", str(tmp_path / "d.json")])
+    assert "not installed" in said and "make setup" in said
 
 
 def test_a_device_that_is_not_there_is_refused(tmp_path):
@@ -108,6 +119,7 @@ def test_the_books_measurements_are_read_from_its_cpu_build_and_committed_run(tm
                                      "growth": {"bf16_bf16": {"start": 3e-3, "start_se": 2e-4, "seeds": 1}}}))
     monkeypatch.setattr(book_measurements, "BUILD", build)
     monkeypatch.setattr(book_measurements, "COMMITTED_RL", committed)
+    monkeypatch.setattr(cross_engine, "load", lambda plan=None: (None, "no committed run"))
     pure = book_measurements.references("token_kl", "bf16", "bf16", "pure")
     assert [r.value for r in pure] == [2e-3] and "4 chat requests × 512 tokens" in pure[0].where
     assert pure[0].device == "a CPU; its kernels"
@@ -125,3 +137,60 @@ def test_the_progress_bar_leaves_the_models_output_alone(tiny_profile, lab_cache
     found = doctor.main(["--model", "lab:dense", "--tokens", "16", "--sequences", "2",
                          "--json", str(tmp_path / "d.json")], profile=tiny_profile)
     assert found["token_kl"]["sequences"] == 2
+
+
+def test_the_cross_engine_run_gives_llama_cpps_references(monkeypatch):
+    plan = {"tokens": 128, "block": 64}
+    pair = {"kl_blocks": [[0.064, 0.064], [0.128, 0.128], [0.064, 0.128]],
+            "log_ratio_blocks": [[-0.1, -0.1], [-0.2, -0.1], [0.0, -0.1]]}
+    run = {"plan": plan, "pairs": {"llama.cpp:bf16|torch:fp32": pair},
+           "provenance": {"cpu": "a CPU", "kernel_set": "its kernels"}}
+    monkeypatch.setattr(cross_engine, "load", lambda plan=None: (run, None))
+    found = book_measurements.references("token_kl", "llama.cpp:bf16", "fp32", "autocast")
+    # per-sequence means 1e-3, 2e-3, 1.5e-3 nats per token: their mean, with a t interval over 3 sequences
+    assert [r.value for r in found] == [pytest.approx(1.5e-3)] and "chapter 4c" in found[0].where
+    assert found[0].low < 1.5e-3 < found[0].high
+    assert book_measurements.references("token_kl", "llama.cpp:bf16", "bf16", "autocast") == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sampler", "llama.cpp:bf16", "--top-p", "0.9"], ["--top-p", "torch sampler"]),
+    (["--sampler", "llama.cpp:bf16", "--fp32-head", "both"], ["--fp32-head both", "torch sampler"]),
+    (["--top-p", "0"], ["above 0"]),
+    (["--top-p", "0.9", "--logprobs", "raw"], ["truncated"]),
+    (["--micro-batch", "0"], ["at least 1"]),
+    (["--lora", "1.5"], ["[0, 1)"]),
+])
+def test_a_bad_stack_option_stops_in_one_sentence(argv, words, tmp_path):
+    said = refusal([*argv, "--json", str(tmp_path / "d.json")])
+    for word in words:
+        assert word in said, said
+
+
+def test_top_p_against_a_matching_trainer_is_its_closed_form(tiny_profile, lab_cache, tmp_path):
+    found = doctor.main(["--model", "lab:dense", "--sampler", "torch:fp32", "--trainer", "torch:fp32",
+                         "--top-p", "0.6", "--tokens", "16", "--sequences", "3", "--json", str(tmp_path / "d.json")],
+                        profile=tiny_profile)
+    closed = found["top_p"]["closed_form"]["value"]
+    # where μ before the cut is π, KL[μ_p‖π] = −log(kept mass) exactly; fp32 engines agree far below 0.1%
+    assert closed > 0.01 and found["token_kl"]["value"] == pytest.approx(closed, rel=1e-3)
+    assert 0.6 <= found["top_p"]["kept_mass"] < 1
+
+
+def test_raw_log_probabilities_undo_the_temperature_exactly():
+    import torch
+
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    processed = torch.log_softmax(logits / 0.7, dim=-1)
+    assert torch.allclose(serving_options.raw_logprobs(processed, 0.7).double(), torch.log_softmax(logits, -1),
+                          atol=1e-6)
+
+
+def test_the_stack_options_run_on_the_tiny_model(tiny_profile, lab_cache, tmp_path, capsys):
+    found = doctor.main(["--model", "lab:dense", "--sampler", "torch:bf16", "--trainer", "torch:bf16",
+                         "--trainer-mode", "pure", "--fp32-head", "both", "--lora", "0.01", "--lora-rank", "4",
+                         "--micro-batch", "1", "--temperature", "0.8", "--logprobs", "raw", "--tokens", "16",
+                         "--sequences", "2", "--json", str(tmp_path / "d.json")], profile=tiny_profile)
+    assert found["setup"]["lora"] == 0.01 and found["setup"]["micro_batch"] == 1
+    assert len(found["per_sequence_kl"]) == 2 and found["token_kl"]["value"] > 0
+    assert "fp32 LM head on both sides" in capsys.readouterr().out
