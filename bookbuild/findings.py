@@ -613,7 +613,9 @@ STACKS = (
     Stack("a serving engine (llama.cpp here, vLLM in practice) sampling in bf16, a trainer cast whole to bf16: "
           "two programs", "04c_two_programs:cross.llamacpp_bf16.torch_bf16.token_kl", None, "offline"),
     Stack("the same two programs, both in fp16", "04c_two_programs:cross.llamacpp_f16.torch_fp16.token_kl", None,
-          "offline"),
+          "offline; llama.cpp's default flash attention computes attention in F16"),
+    Stack("the same, both in fp16, llama.cpp's flash attention off",
+          "04c_two_programs:cross.llamacpp_f16_fa_off.torch_fp16.token_kl", None, "offline"),
     Stack("an 8-bit rollout engine (llama.cpp Q8_0), an fp32 trainer",
           "04c_two_programs:cross.llamacpp_q8_0.torch_fp32.token_kl", None, "offline"),
     Stack("a 4-bit rollout engine (llama.cpp Q4_0), an fp32 trainer",

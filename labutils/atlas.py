@@ -3,7 +3,8 @@
 The baseline is the book's torch sampler in bf16 against a torch trainer whose weights are cast whole to
 bf16 (FSDP's `param_dtype`), its eight sequences scored in one batch, at temperature 1, no top-p, the LM
 head in bf16, no adapter. Each other row changes one thing: the dtype (fp32 and fp16 on both sides; FP8,
-Q8_0 and Q4_0 rollouts against the bf16 trainer), the engine (llama.cpp's BF16), an fp32 head on the
+Q8_0 and Q4_0 rollouts against the bf16 trainer), the engine (llama.cpp's BF16, with its flash attention
+and without), an fp32 head on the
 sampler's side or on both, top-p 0.9, temperature 0.7 with log μ after the temperature or raw (vLLM V1's
 default), each sequence scored alone, a LoRA adapter merged in the sampler and unmerged in the trainer,
 and the trainer under autocast instead of pure. Every row samples from the same prompts with the same
@@ -31,6 +32,8 @@ ROWS = (
     ("dtype", "Q8_0 sampler (llama.cpp)", {"--sampler": "llama.cpp:q8_0"}),
     ("dtype", "Q4_0 sampler (llama.cpp)", {"--sampler": "llama.cpp:q4_0"}),
     ("engine", "llama.cpp BF16 sampler", {"--sampler": "llama.cpp:bf16"}),
+    ("engine", "llama.cpp BF16 sampler, flash attention off", {"--sampler": "llama.cpp:bf16",
+                                                               "--flash-attention": "off"}),
     ("fp32 LM head", "on the sampler's side", {"--fp32-head": "sampler"}),
     ("fp32 LM head", "on both sides", {"--fp32-head": "both"}),
     ("top-p", "0.9 (the trainer scores the full distribution)", {"--top-p": "0.9"}),

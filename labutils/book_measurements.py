@@ -132,7 +132,8 @@ def _cross_engine(quantity: str, sampler: str, trainer: str, mode: str) -> list[
         return []
     s = engine_table.summary(run["pairs"][name], run["plan"])
     plan, made = run["plan"], run["provenance"]
-    where = (f"chapter 4c's committed run, {sampler} sampler against a pure {trainer} torch trainer, "
+    where = (f"chapter 4c's committed run, {sampler} sampler against a torch trainer "
+             f"{'in fp32' if trainer == 'fp32' else 'cast whole to ' + trainer}, "
              f"{s['sequences']} chat requests × {plan['tokens']} tokens")
     cpu = device(made.get("cpu", "?"), made.get("kernel_set", "?"))
     if quantity == "token_kl":
@@ -180,6 +181,10 @@ def verdict(value: float, low: float, high: float, found: list[Reference], why_n
     """One line: whether the measured 95% interval [low, high] overlaps the book's intervals, lies above or below."""
     if not found:
         return why_none or "the book has not measured this set-up on its real model; no range to compare with"
+    scale = max(abs(value), *(abs(r.value) for r in found))
+    if high - low > 4 * scale:  # an interval wider than anything it could be told apart from
+        return (f"too uncertain to compare (95% interval {low:.2g} – {high:.2g}, the book's "
+                f"{min(r.value for r in found):.3g}): run more --sequences")
     floor, ceiling = min(r.low for r in found), max(r.high for r in found)
     values = sorted(r.value for r in found)
     shown = f"{values[0]:.3g}" if len(values) == 1 else f"{values[0]:.3g} – {values[-1]:.3g}"

@@ -1,14 +1,15 @@
 """The cross-engine run: llama.cpp's samples rescored by the torch trainer, beside torch's own, on the real model.
 
-Every sampler (llama.cpp in each GGUF type, the book's torch engines in fp32, bf16, fp16 and FP8) draws
+Every sampler (llama.cpp in each GGUF type, with flash attention at its default or off; the book's torch
+engines in fp32, bf16, fp16 and FP8) draws
 `sequences` completions of `tokens` tokens (EOS banned) from the same chat prompts with the same seed, keeping
 log μ of the whole vocabulary; every trainer (torch, weights cast whole to fp32, bf16 or fp16, as FSDP's
 `param_dtype`) rescores them. Per pair and sequence the run keeps, for each block of `block` positions, the
 sum of the exact token KL[μ‖π] and of log π/μ at the sampled tokens: enough for the token KL and its
 per-sequence (cluster) errors, the KL by position, the log-weight drift and its spread. Each sampler's speed
-is timed on the same prompts without keeping the vocabulary, in tokens per second.
+is timed on the same prompts without keeping the vocabulary, in tokens per second, after a short warm-up.
 
-`make engines` runs it (about 25 minutes on 2 cores) and writes results/long/04c_cross_engine.json;
+`make engines` runs it (about 30 minutes on 2 cores) and writes results/long/04c_cross_engine.json;
 `engine_table` reads it.
 """
 from __future__ import annotations
@@ -22,11 +23,19 @@ import torch
 from . import committed, llamacpp, mismatch, models, pretrained, rollout, sampler_precision
 
 RUN = committed.Run("04c_cross_engine", module="cross_engine", make="make engines")
+LLAMA = (("f32", "off"), ("f32", "auto"), ("f16", "off"), ("f16", "auto"), ("bf16", "off"), ("bf16", "auto"),
+         ("q8_0", "auto"), ("q4_0", "auto"))  # (GGUF type, flash attention)
 PLAN = {"tokens": 1024, "sequences": 8, "block": 64, "seed": 0, "temperature": 1.0, "speed_tokens": 256,
-        "llama_cpp": llamacpp.VERSION, "llama_kinds": llamacpp.KINDS, "torch_samplers": ("fp32", "bf16", "fp16", "fp8"),
+        "llama_cpp": llamacpp.VERSION, "llama_samplers": LLAMA, "torch_samplers": ("fp32", "bf16", "fp16", "fp8"),
         "trainers": ("fp32", "bf16", "fp16")}
-SMOKE = {**PLAN, "tokens": 128, "sequences": 2, "speed_tokens": 32, "llama_kinds": ("f32", "bf16"),
+SMOKE = {**PLAN, "tokens": 128, "sequences": 2, "speed_tokens": 32, "llama_samplers": (("f32", "off"), ("bf16", "auto")),
          "torch_samplers": ("fp32",), "trainers": ("fp32", "bf16")}
+
+
+def llama_name(kind: str, flash_attention: str) -> str:
+    """A llama.cpp sampler's name: llama.cpp:bf16 at llama.cpp's defaults, llama.cpp:bf16:fa_off without flash
+    attention."""
+    return f"llama.cpp:{kind}" + ("" if flash_attention == "auto" else ":fa_off")
 
 
 def model_fingerprint() -> str:
@@ -41,7 +50,8 @@ def load(plan: dict = PLAN) -> tuple[dict | None, str | None]:
 
 def samplers(model, plan: dict) -> dict:
     """Name → a function that builds the sampler (one engine in memory at a time)."""
-    out = {f"llama.cpp:{kind}": (lambda kind=kind: llamacpp.Engine(kind)) for kind in plan["llama_kinds"]}
+    out = {llama_name(kind, fa): (lambda kind=kind, fa=fa: llamacpp.Engine(kind, flash_attention=fa))
+           for kind, fa in plan["llama_samplers"]}
     out.update({f"torch:{name}": (lambda name=name: sampler_precision.engine(model, name))
                 for name in plan["torch_samplers"]})
     return out
@@ -60,6 +70,7 @@ def measure(model, prompts: list[list[int]], plan: dict) -> dict:
     found = {"samplers": {}, "pairs": {}}
     for name, build in samplers(model, plan).items():
         engine = build()
+        engine.sample(prompts, 4, 4, generator=torch.Generator().manual_seed(plan["seed"] + 2))  # warm-up
         timed = engine.sample(prompts, plan["speed_tokens"], plan["speed_tokens"], temperature=plan["temperature"],
                               generator=torch.Generator().manual_seed(plan["seed"] + 1))
         out = engine.sample(prompts, plan["tokens"], plan["tokens"], temperature=plan["temperature"],

@@ -64,7 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     """The command line's flags and their defaults."""
     from . import pretrained
 
-    parser = argparse.ArgumentParser(prog="python -m labutils.doctor", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labutils.doctor", description=__doc__.split("\n")[0],
+                                     epilog="It runs the book's torch engines and llama.cpp (CPU), not your own "
+                                            "serving engine or trainer: choose the engine and dtypes nearest "
+                                            "yours, and compare its framework metrics with your logs.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=pretrained.NAME,
                         help=f"{pretrained.NAME} (the book's real model), a save_pretrained directory, a hub id, "
                              "or lab:dense / lab:moe (the lab's toy models)")
@@ -72,8 +76,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="ENGINE:DTYPE: torch:fp32, bf16, fp16, fp8, fp8_channel or m2 … m10 (emulated), or "
                              f"llama.cpp:{', '.join(llamacpp.KINDS)} (the real model only)")
     parser.add_argument("--trainer", default="torch:fp32", help="torch:DTYPE with DTYPE fp32, bf16 or fp16")
-    parser.add_argument("--trainer-mode", default="autocast", choices=TRAINER_MODES)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--trainer-mode", default="autocast", choices=TRAINER_MODES,
+                        help="autocast: fp32 weights under torch.autocast (trl, accelerate); pure: the weights "
+                             "cast whole to the dtype (FSDP's param_dtype, DeepSpeed's bf16)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the sampler's; the trainer scores at it")
     parser.add_argument("--top-p", type=float, default=1.0, help="the sampler's nucleus (torch samplers); the "
                                                                  "trainer scores the full distribution")
     parser.add_argument("--logprobs", default="processed", choices=("processed", "raw"),
@@ -83,14 +89,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora", type=float, default=0.0, metavar="SIZE",
                         help="a random LoRA adapter whose product is SIZE × each decoder weight's norm (e.g. "
                              "0.01): merged into the sampler, unmerged in the trainer; 0 for none")
-    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--lora-rank", type=int, default=16, help="the adapter's rank, with --lora")
+    parser.add_argument("--flash-attention", default="auto", choices=tuple(llamacpp.FLASH_ATTENTION),
+                        help="llama.cpp's flash attention: auto (its default, F16 attention) or off")
     parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
                         help="sequences per trainer forward (1: each scored alone)")
     parser.add_argument("--tokens", type=int, default=256, help="completion tokens per sequence, EOS banned")
-    parser.add_argument("--sequences", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sequences", type=int, default=4,
+                        help="completions, one per chat request; every error is taken over them (8 or more "
+                             "for a verdict that can tell the book's numbers apart)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's random numbers")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--json", type=Path, default=Path("doctor.json"))
+    parser.add_argument("--json", type=Path, default=Path("doctor.json"), help="where the whole report goes")
     parser.add_argument("--figure", type=Path, default=None, help="default: beside the JSON, as .png")
     return parser
 
@@ -106,6 +116,9 @@ def check_options(args: argparse.Namespace, sampler_engine: str) -> None:
         raise _refuse(f"--micro-batch {args.micro_batch} must be at least 1.")
     if not 0 <= args.lora < 1 or args.lora_rank < 1:
         raise _refuse(f"--lora {args.lora} must be a relative size in [0, 1) with --lora-rank at least 1.")
+    if sampler_engine == "torch" and args.flash_attention != "auto":
+        raise _refuse(f"--flash-attention {args.flash_attention} sets llama.cpp's attention, and the torch "
+                      "sampler has none; drop it or use --sampler llama.cpp:bf16.")
     if sampler_engine == "llama.cpp":
         asked = [flag for flag, on in (("--top-p", args.top_p < 1), ("--lora", args.lora > 0),
                                        ("--fp32-head " + args.fp32_head, args.fp32_head in ("sampler", "both")))
@@ -166,9 +179,12 @@ def check_request(args: argparse.Namespace) -> dict:
         if computed != trainer_dtype:
             raise _refuse(f"torch.autocast on {device} does not compute in {trainer_name} here; "
                           "use --trainer-mode pure.")
-    label = dial.label if dial else f"llama.cpp {llamacpp.VERSION}: {llamacpp.PRECISION[sampler_name]}"
+    label = dial.label if dial else (f"llama.cpp {llamacpp.VERSION}: {llamacpp.PRECISION[sampler_name]}; "
+                                     f"{llamacpp.ATTENTION[args.flash_attention]}")
+    book_sampler = (sampler_name if dial else
+                    args.sampler + ("" if args.flash_attention == "auto" else ":fa_off"))
     return {"dial": dial, "engine": sampler_engine, "sampler": sampler_name, "label": label,
-            "book_sampler": sampler_name if dial else args.sampler, "trainer": trainer_name,
+            "book_sampler": book_sampler, "trainer": trainer_name,
             "trainer_dtype": trainer_dtype, "autocast": autocast, "device": device}
 
 
@@ -357,11 +373,13 @@ def figure(found: dict, log_ratio: torch.Tensor, colour_of: str, path: Path) -> 
     left.legend(fontsize=8)
     bands = [b for b in found["kl_by_band"] if math.isfinite(b["mean"])]
     centres = [(b["from"] + b["to"]) / 2 for b in bands]
-    errors = [2 * b["stderr"] if math.isfinite(b["stderr"]) else 0.0 for b in bands]
+    # the same 95% t intervals (over sequences) as the printed report
+    errors = [b["mean"] - clusters.interval(b["mean"], b["stderr"], found["token_kl"]["sequences"])[0]
+              if math.isfinite(b["stderr"]) else 0.0 for b in bands]
     right.errorbar(centres, [b["mean"] for b in bands], yerr=errors, fmt="o", color=colour, capsize=3)
     right.axhline(found["token_kl"]["value"], color="black", ls=":", lw=1, label="over all tokens")
     right.set(xlabel="position in the completion (tokens, band centre)", ylabel="exact token KL[μ‖π] (nats)",
-              title="Token KL by position band, ± 2 s.e.")
+              title="Token KL by position band, 95% t intervals")
     right.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -446,7 +464,7 @@ def run(args: argparse.Namespace, profile=None) -> dict:
         "trainer_mode": args.trainer_mode, "trainer_label": trainer_label(request["trainer"], args.trainer_mode),
         "temperature": args.temperature, "sequences": args.sequences, "tokens": args.tokens, "seed": args.seed,
         "prompts": prompt_kind, "device": request["device"], "top_p": args.top_p, "logprobs": args.logprobs,
-        "fp32_head": args.fp32_head, "lora": args.lora, "lora_rank": args.lora_rank, "micro_batch": args.micro_batch,
+        "fp32_head": args.fp32_head, "flash_attention": args.flash_attention, "lora": args.lora, "lora_rank": args.lora_rank, "micro_batch": args.micro_batch,
         "device_name": report["device_name"] if request["device"] == "cuda" else report.get("cpu"),
         "full_vocab_bytes": need, "env": report}
     found["seconds"] = {"load": loaded - began, "sample": sampled - loaded, "score": scored_at - sampled}
@@ -468,7 +486,7 @@ def build_engines(args: argparse.Namespace, request: dict, model):
     """The sampler and the trainer the request names, with its LoRA adapter and fp32 heads where asked."""
     trainer_dtype = torch.float32 if request["autocast"] else request["trainer_dtype"]
     if request["engine"] == "llama.cpp":
-        sampler = llamacpp.Engine(request["sampler"])
+        sampler = llamacpp.Engine(request["sampler"], flash_attention=args.flash_attention)
     elif args.lora > 0:
         sampler, trainer = serving_options.lora_pair(model, args.lora, args.lora_rank, request["sampler"],
                                                      trainer_dtype, request["device"], args.micro_batch, args.seed)
@@ -505,7 +523,8 @@ def options(setup: dict) -> str:
             f"fp32 LM head on the {setup['fp32_head']} side" if setup.get("fp32_head", "none") != "none" else "",
             f"LoRA rank {setup['lora_rank']} of relative size {setup['lora']:g}, merged in the sampler"
             if setup.get("lora") else "",
-            f"trainer micro-batch {setup['micro_batch']}" if setup.get("micro_batch", MICRO_BATCH) != MICRO_BATCH else ""]
+            f"trainer micro-batch {setup['micro_batch']}" if setup.get("micro_batch", MICRO_BATCH) != MICRO_BATCH else "",
+            "llama.cpp's flash attention off" if setup.get("flash_attention") == "off" else ""]
     return "; ".join(x for x in said if x).replace("on the both side", "on both sides")
 
 
@@ -529,7 +548,10 @@ def render(found: dict) -> str:
                  f"[{b['from']:g}, {b['to']:g}): {_num(b['mean'], b['stderr'])} ({b['count']} tokens)"
                  for b in found["kl_by_mu_bucket"] if b["count"]),
              f"log-weight drift          {_num(drift['value'], drift['stderr'])} nats per 1K tokens "
-             f"(expected, −1000 × token KL: {drift['expected']:.3g})",
+             f"(expected, −1000 × token KL: {drift['expected']:.3g}; "
+             + ("within the drift's 95% interval: no trend beyond the token KL)"
+                if drift["low"] <= drift["expected"] <= drift["high"]
+                else "outside the drift's 95% interval: a trend the token KL does not explain)"),
              "prefix log-ratio SD       " + ";  ".join(
                  f"at {n}: {v['measured']:.3g} (95%: {v['low']:.2g} – {v['high']:.2g}; independent tokens "
                  f"{v['independent_tokens']:.2g})" for n, v in found["prefix_sd"].items())]
@@ -565,13 +587,18 @@ def render(found: dict) -> str:
                                         else f"trl default weight at {quantity.split('.')[2]}")
         lines.append(f"  {label}: {v['line']}")
         for r in v["references"]:
-            on = "this run's CPU and kernels" if r["device"] == here and s["device"] == "cpu" else r["device"]
+            on = ("the same CPU and kernel set as this run" if r["device"] == here and s["device"] == "cpu"
+                  else r["device"])
             lines.append(f"      from {r['where']}; on {on}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None, profile=None) -> dict:
     """Run the doctor from the command line: print the report, write the JSON and the figure."""
+    import logging
+
+    # bitsandbytes (imported with transformers) logs that its optional CPU kernel is not installed
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     args = _parser().parse_args(argv)
     found = run(args, profile)
     args.json.parent.mkdir(parents=True, exist_ok=True)

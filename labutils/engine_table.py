@@ -55,8 +55,22 @@ def summary(pair: dict, plan: dict) -> dict:
             "drift_per_1k": drift, "drift_stderr": drift_se, "expected_drift": -1000 * value, "spread": spread}
 
 
+def band_change(pair: dict, plan: dict) -> dict:
+    """How much the token KL grows from the first quarter of the positions to the last: each sequence's
+    last-quarter mean minus its first-quarter mean, averaged, with a t interval over the sequences."""
+    kl = torch.tensor(pair["kl_blocks"], dtype=torch.float64)
+    quarter = kl.shape[1] // 4
+    first = kl[:, :quarter].sum(-1) / (quarter * plan["block"])
+    last = kl[:, -quarter:].sum(-1) / (quarter * plan["block"])
+    value, se = _mean(last - first)
+    low, high = clusters.interval(value, se, kl.shape[0])
+    return {"change": value, "stderr": se, "low": low, "high": high, "first": float(first.mean()),
+            "last": float(last.mean())}
+
+
 def ratio(run: dict, numerator: str, denominator: str) -> tuple[float, float, float]:
-    """KL of one pair over another's on the same prompts, with its 95% interval (t over the prompts)."""
+    """KL of one pair over another's on the same prompts: the geometric mean of the per-prompt ratios, with its
+    95% interval (t over the prompts)."""
     plan = run["plan"]
     a, b = (per_sequence_kl(run["pairs"][name], plan)[:, None] for name in (numerator, denominator))
     ones = torch.ones_like(a)

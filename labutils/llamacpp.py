@@ -6,9 +6,10 @@ torch engines load (the shipped Q4_1 file dequantized by the `gguf` package, as 
 them, draws each token with the book's sampler from llama.cpp's logits, and returns the book's `Rollout`,
 so `rollout.TrainingEngine` rescores llama.cpp's samples exactly as it rescores the torch engines'.
 
-What llama.cpp rounds is not what torch's pure-dtype engines round (`PRECISION`, read from llama.cpp's
-source at the version `make setup` builds): a matrix product rounds its activations to the weights' type
-and sums in F32; norms, RoPE, softmax and the residual stream stay F32; the KV cache is F16 unless asked.
+What llama.cpp rounds is not what torch's pure-dtype engines round (`PRECISION` and `ATTENTION`, read from
+llama.cpp's source at the version `make setup` builds): a weight product rounds its activations to the
+weights' type and sums in F32; norms, RoPE and the residual stream stay F32; attention depends on flash
+attention, which llama.cpp turns on by default ("auto") wherever the CPU runs it, and which computes in F16.
 """
 from __future__ import annotations
 
@@ -25,20 +26,32 @@ from . import pretrained, rollout
 VERSION = "0.3.36"  # llama-cpp-python, as `make setup` builds it; the sources quoted below are its vendored llama.cpp
 KINDS = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # where llama.cpp rounds, per type (vendor/llama.cpp at VERSION): ggml-cpu.c's type_traits_cpu gives each weight
-# type the type its activations are converted to before a matrix product (`vec_dot_type`), summed in F32;
-# llama_context_default_params (src/llama-context.cpp) caches K and V in F16 and turns flash attention to auto,
-# whose CPU kernel converts Q to the cache's type (ggml-cpu/ops.cpp, flash_attn_ext_f16_one_chunk)
+# type the type its activations are converted to before a product (`vec_dot_type`), summed in F32;
+# llama_context_default_params (src/llama-context.cpp) caches K and V in F16 and sets flash attention to auto
 PRECISION = {
-    "f32": "weights F32; activations F32 into every product; KV cache F32 (set here: the engine alone)",
-    "f16": "weights F16; activations rounded to F16 at every matrix product, summed in F32; KV cache F16",
-    "bf16": "weights BF16; activations rounded to BF16 at every matrix product, summed in F32; KV cache F16",
+    "f32": "weights F32; activations F32 into every weight product; KV cache F32 (set here)",
+    "f16": "weights F16; activations rounded to F16 at every weight product, summed in F32; KV cache F16",
+    "bf16": "weights BF16; activations rounded to BF16 at every weight product, summed in F32; KV cache F16",
     "q8_0": "weights Q8_0 (8-bit, one F16 scale per 32); activations quantized to Q8_0 per 32; KV cache F16",
     "q4_0": "decoder weights Q4_0 (4-bit, one F16 scale per 32), embedding and head Q8_0 as shipped; "
             "activations quantized to Q8_0 per 32; KV cache F16",
 }
+# flash attention casts K and V to F16 even from an F32 cache (src/llama-graph.cpp, build_attn_mha), converts Q
+# to F16, and when one token is decoded per sequence sums softmax·V in an F16 buffer (ggml-cpu/ops.cpp,
+# ggml_compute_forward_flash_attn_ext_f16_one_chunk, VKQ16); without it both attention products are ordinary
+# products with the cache's type as their weights (Q and the softmax weights rounded to it, summed in F32)
+ATTENTION = {
+    "auto": "flash attention (llama.cpp's default where the CPU runs it): Q, K and V in F16, softmax·V summed "
+            "in F16 at each decoded token",
+    "off": "flash attention off: Q·K and softmax·V as products against the KV cache's type, summed in F32",
+}
+FLASH_ATTENTION = {"auto": -1, "off": 0}  # llama_flash_attn_type: LLAMA_FLASH_ATTN_TYPE_AUTO, _DISABLED
 SOURCES = {"vec_dot_type": "vendor/llama.cpp/ggml/src/ggml-cpu/ggml-cpu.c, type_traits_cpu",
-           "kv_cache_f16": "vendor/llama.cpp/src/llama-context.cpp, llama_context_default_params (type_k, type_v)",
-           "flash_attention": "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp, ggml_compute_forward_flash_attn_ext_f16"}
+           "kv_cache_f16": "vendor/llama.cpp/src/llama-context.cpp, llama_context_default_params (type_k, type_v, "
+                           "flash_attn_type)",
+           "flash_attention_f16": "vendor/llama.cpp/src/llama-graph.cpp, build_attn_mha (ggml_cast to F16)",
+           "flash_attention_sum": "vendor/llama.cpp/ggml/src/ggml-cpu/ops.cpp, "
+                                  "ggml_compute_forward_flash_attn_ext_f16_one_chunk (VKQ16)"}
 BUILD_MINUTES = "3–12"  # the first build: 3 on 2 free cores, 12 on one busy core (measured); pip caches the wheel
 
 
@@ -140,9 +153,13 @@ class Engine:
     row from `generator`) draws from them, so a torch engine and this one given the same seed share their draws.
     """
 
-    def __init__(self, kind: str, threads: int | None = None, path: Path | None = None):
+    def __init__(self, kind: str, threads: int | None = None, path: Path | None = None,
+                 flash_attention: str = "auto"):
         self.llama = require()
         self.kind = check_kind(kind)
+        if flash_attention not in FLASH_ATTENTION:
+            raise ValueError(f"flash_attention={flash_attention!r}: choose 'auto' (llama.cpp's default) or 'off'.")
+        self.flash_attention = flash_attention
         self.path = path or write(kind)
         self.threads = threads or torch.get_num_threads()
         self.device = "cpu"
@@ -169,6 +186,7 @@ class Engine:
         params.n_ctx, params.n_seq_max = rows * per_row, rows
         params.n_batch = params.n_ubatch = max(512, rows)
         params.n_threads = params.n_threads_batch = self.threads
+        params.flash_attn_type = FLASH_ATTENTION[self.flash_attention]
         if self.kind == "f32":
             params.type_k = params.type_v = self.llama.GGML_TYPE_F32
         self._ctx = self.llama.llama_init_from_model(self._model, params)
@@ -211,7 +229,6 @@ class Engine:
         """One completion per prompt, with log μ of each token (and of the whole vocabulary where kept)."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be positive; sampling needs a distribution.")
-        start = time.perf_counter()
         batch = len(prompt_ids)
         budget = rollout._per_row(max_new_tokens, batch, "max_new_tokens")
         floor = rollout._per_row(min_new_tokens, batch, "min_new_tokens")
@@ -219,6 +236,7 @@ class Engine:
             raise ValueError("every row needs 1 <= min_new_tokens <= max_new_tokens.")
         steps = int(budget.max())
         ctx = self._context(batch, max(len(p) for p in prompt_ids) + steps)
+        start = time.perf_counter()  # after the context's allocation, as the torch engine's clock starts
         kept = batch if keep_vocab is True else min(batch, int(keep_vocab))
         completion = torch.full((batch, steps), self.eos_id, dtype=torch.long)
         alive = torch.zeros((batch, steps), dtype=torch.bool)

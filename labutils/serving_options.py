@@ -1,12 +1,13 @@
 """What a real stack does besides its dtype, applied to the book's engines: each option moves μ or π.
 
-* `fp32_head`: the LM head computed in fp32 from the fp32 weights (trl's `cast_lm_head_to_fp32`, vLLM's
-  fp32 logits processors), whatever the engine's dtype; the tied embedding stays as it was.
-* `Nucleus`: top-p sampling. The sampler draws from π's tempered distribution cut to its smallest set of
+* `fp32_head`: the LM head computed in fp32 from the fp32 weights (as trl's `cast_lm_head_to_fp32` asks),
+  whatever the engine's dtype; the tied embedding stays as it was.
+* `Nucleus`: top-p sampling. The sampler draws from its own tempered distribution cut to its smallest set of
   tokens with mass ≥ p, renormalised; a trainer that scores the full distribution then sees
   KL[μ‖π] = −log(kept mass) per token where the engines otherwise agree (the closed form).
-* `raw_logprobs`: the log-probabilities a server returns before its temperature (vLLM V1's default
-  `logprobs_mode`, "raw_logprobs"): log_softmax(T · processed), exact for the full distribution.
+* `raw_logprobs`: the log-probabilities a server returns before its temperature, log_softmax(T · processed),
+  exact for the full distribution; vLLM V1's sampler returns these by default
+  (`logprobs_mode="raw_logprobs"`, vllm/v1/sample/sampler.py, `Sampler.__init__`).
 * `lora_pair`: a LoRA policy as the sampler receives it (merged, then cast) and as the trainer computes it
   (unmerged), `lora_serving`'s two views.
 """
@@ -53,7 +54,7 @@ class Nucleus:
 
     def _cut(self, module, args, output) -> None:
         logits = output.logits[:, -1]
-        z = logits.float()
+        z = logits.float().clone()  # a copy even when the logits are fp32: the engine bans EOS itself
         z[:, self.eos_id] = float("-inf")
         probs = torch.softmax(z / self.temperature, dim=-1)
         ordered, order = probs.sort(dim=-1, descending=True)
@@ -64,7 +65,8 @@ class Nucleus:
         logits.masked_fill_(~keep, float("-inf"))  # in place: the engine reads these logits next
 
     def kept_mass(self) -> torch.Tensor:
-        """[rows, steps]: the mass of π's tempered distribution each step kept (the prefill's step first)."""
+        """[rows, steps]: the mass of the sampler's tempered distribution each step kept (the prefill's step
+        first); the closed form −log(kept mass) is exact where that distribution is the trainer's π."""
         return torch.stack(self.kept, dim=-1)
 
     def remove(self) -> None:

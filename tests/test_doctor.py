@@ -157,6 +157,7 @@ def test_the_cross_engine_run_gives_llama_cpps_references(monkeypatch):
     (["--sampler", "llama.cpp:bf16", "--top-p", "0.9"], ["--top-p", "torch sampler"]),
     (["--sampler", "llama.cpp:bf16", "--fp32-head", "both"], ["--fp32-head both", "torch sampler"]),
     (["--top-p", "0"], ["above 0"]),
+    (["--flash-attention", "off"], ["llama.cpp's attention", "--sampler llama.cpp:bf16"]),
     (["--top-p", "0.9", "--logprobs", "raw"], ["truncated"]),
     (["--micro-batch", "0"], ["at least 1"]),
     (["--lora", "1.5"], ["[0, 1)"]),
@@ -194,3 +195,9 @@ def test_the_stack_options_run_on_the_tiny_model(tiny_profile, lab_cache, tmp_pa
     assert found["setup"]["lora"] == 0.01 and found["setup"]["micro_batch"] == 1
     assert len(found["per_sequence_kl"]) == 2 and found["token_kl"]["value"] > 0
     assert "fp32 LM head on both sides" in capsys.readouterr().out
+
+
+def test_a_verdict_from_too_few_sequences_says_so_instead_of_in_line():
+    book = [book_measurements.Reference(1e-3, 0.8e-3, 1.2e-3, "a", "cpu")]
+    said = book_measurements.verdict(1e-3, -5e-3, 7e-3, book)
+    assert said.startswith("too uncertain to compare") and "--sequences" in said

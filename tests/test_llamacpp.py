@@ -23,6 +23,9 @@ def test_a_bad_type_a_missing_build_and_another_model_are_refused_in_one_sentenc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else find(name, *a))
     with pytest.raises(ModuleNotFoundError, match="make setup"):
         llamacpp.require()
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="'auto'"):
+        llamacpp.Engine("f32", flash_attention="on")
 
 
 def test_the_f32_file_holds_the_weights_the_torch_engines_load(real):
@@ -59,7 +62,8 @@ def test_at_f32_llama_cpp_is_closer_to_the_fp32_trainer_than_torchs_fp16_sampler
     prompts = pretrained.chat_prompts(tokenizer, 2)
     trainer = rollout.TrainingEngine(model, torch.float32, "cpu", micro_batch=2)
     found = {}
-    for name, engine in (("llama.cpp", llamacpp.Engine("f32")),
+    for name, engine in (("llama.cpp", llamacpp.Engine("f32", flash_attention="off")),
+                         ("llama.cpp, flash attention", llamacpp.Engine("f32")),
                          ("fp32", rollout.InferenceEngine(model, torch.float32)),
                          ("fp16", rollout.InferenceEngine(model, torch.float16))):
         out = engine.sample(prompts, 48, 48, keep_vocab=True, generator=torch.Generator().manual_seed(0))
@@ -67,6 +71,8 @@ def test_at_f32_llama_cpp_is_closer_to_the_fp32_trainer_than_torchs_fp16_sampler
         found[name] = (clusters.mean(kl, out.mask)[0], out.completion_ids)
     # the tolerance is a measured floor: one dtype step of the book's own sampler, on the same prompts
     assert found["llama.cpp"][0] < found["fp16"][0], found
+    # flash attention computes attention in F16: it moves μ further than the F32 engine does without it
+    assert found["llama.cpp"][0] < found["llama.cpp, flash attention"][0], found
     # with the same seed the two engines draw the same uniforms: they share longer prefixes than two seeds do
     other = rollout.InferenceEngine(model, torch.float32).sample(prompts, 48, 48,
                                                                  generator=torch.Generator().manual_seed(1))
