@@ -183,6 +183,20 @@ def _about_24(ratio, low, high):
                       "entropy, and the paper's is a ratio of sequence KLs on GPUs)")
 
 
+def _two_programs(cross, low, high, off, off_low, off_high, same):
+    """fp16 between a serving engine and a trainer that are different programs (vLLM and FSDP in the paper): the
+    nearest measurement here is llama.cpp sampling against the torch trainer on a CPU, which cannot decide it."""
+    direction = ("fp16 cuts it between two programs here too" if low > 1 else
+                 "fp16 does not cut it between two programs here" if high < 1 else
+                 "no direction beyond the interval here")
+    measured = (f"SmolLM2-135M on this CPU, llama.cpp sampling against the torch trainer, both in one dtype: "
+                f"token KL bf16 / fp16 {cross:.1f}× (95% over paired prompts {low:.1f}–{high:.1f}) at llama.cpp's "
+                f"defaults, whose flash attention computes in F16; {off:.0f}× ({off_low:.0f}–{off_high:.0f}) without "
+                f"it; {same:.0f}× within one program")
+    return measured, (f"{NOT_COMPARABLE} ({direction}; the paper's programs are vLLM and FSDP on GPUs, with "
+                      "other kernels)")
+
+
 def _mixed_engines(mixed, mixed_se, same, same_se):
     """"bf16 training, fp32 inference is stable": stability needs RL runs of that pairing, which the book has not
     run; the mismatch it starts from is measured on the real model, against both engines in bf16."""
@@ -277,6 +291,11 @@ CLAIMS = [
     Claim("fp16", "FP16 cuts the sequence-level KL[μ‖π] from 7.64 (BF16) to 0.32, about 24×.",
           "Offline figure: 7.64 vs 0.32 on its model.", "04b_real_mismatch",
           ("real.ratio.bf16_over_fp16", "real.ratio.bf16_over_fp16_low", "real.ratio.bf16_over_fp16_high"), _about_24),
+    Claim("paper", "FP16 removes the mismatch between a separate inference engine and trainer (vLLM and FSDP), "
+          "not only within one program.", "Its FP16 runs pair vLLM with FSDP, both in FP16.", "04c_two_programs",
+          ("ratio.cross_program.value", "ratio.cross_program.low", "ratio.cross_program.high",
+           "ratio.cross_program_fa_off.value", "ratio.cross_program_fa_off.low", "ratio.cross_program_fa_off.high",
+           "ratio.same_program.value"), _two_programs),
     Claim("fp16", "The log-ratio slope (−1.01 BF16, −0.07 FP16 per 1K tokens) is a variance that grows "
           "exponentially with length.", "Slopes −1.01 and −0.07 per 1K tokens of log(π/μ) against length.",
           "04b_real_mismatch", ("real.slope_per_1k.bf16", "real.slope_stderr_per_1k.bf16", "real.seq_kl_1k.bf16"),
