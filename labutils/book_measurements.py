@@ -119,8 +119,10 @@ def _chapter_5b(quantity: str, sampler: str, trainer: str) -> list[Reference]:
                       f"{plan.dial_sequences} chat requests × {plan.dial_length} tokens", cpu)]
 
 
-def _cross_engine(quantity: str, sampler: str, trainer: str, mode: str) -> list[Reference]:
-    """Chapter 4c's committed run: llama.cpp's GGUF types and the torch samplers against a pure torch trainer."""
+def _cross_engine(quantity: str, sampler: str, trainer: str, mode: str, tokens: int | None) -> list[Reference]:
+    """Chapter 4c's committed run: llama.cpp's GGUF types and the torch samplers against a pure torch trainer, read
+    over the first `tokens` positions (whole blocks) where a run was shorter: some of its pairs grow along the
+    sequence."""
     from . import cross_engine, engine_table
 
     if mode != "pure" and trainer != "fp32":
@@ -130,11 +132,15 @@ def _cross_engine(quantity: str, sampler: str, trainer: str, mode: str) -> list[
                                   f"torch:{trainer}")
     if run is None or stale or name not in run["pairs"]:
         return []
-    s = engine_table.summary(run["pairs"][name], run["plan"])
     plan, made = run["plan"], run["provenance"]
+    kept = plan["tokens"] if tokens is None else max(plan["block"], min(plan["tokens"], tokens) // plan["block"]
+                                                         * plan["block"])
+    blocks = kept // plan["block"]
+    pair = {k: [row[:blocks] for row in v] for k, v in run["pairs"][name].items() if k.endswith("_blocks")}
+    s = engine_table.summary(pair, {**plan, "tokens": kept})
     where = (f"chapter 4c's committed run, {sampler} sampler against a torch trainer "
              f"{'in fp32' if trainer == 'fp32' else 'cast whole to ' + trainer}, "
-             f"{s['sequences']} chat requests × {plan['tokens']} tokens")
+             f"{s['sequences']} chat requests, their first {kept} tokens")
     cpu = device(made.get("cpu", "?"), made.get("kernel_set", "?"))
     if quantity == "token_kl":
         return [Reference(s["token_kl"], s["low"], s["high"], where, cpu)]
@@ -170,11 +176,11 @@ def _committed_rl(quantity: str, sampler: str, trainer: str, mode: str) -> list[
                       "tokens", device(made.get("cpu", "?"), made.get("kernel_set", "?")))]
 
 
-def references(quantity: str, sampler: str, trainer: str, mode: str) -> list[Reference]:
+def references(quantity: str, sampler: str, trainer: str, mode: str, tokens: int | None = None) -> list[Reference]:
     """The book's measurements of `quantity` on the real model in this set-up (sampler dial name, trainer dtype,
     trainer mode `pure` or `autocast`); empty where the book has none."""
     return [*_chapter_4b(quantity, sampler, trainer, mode), *_chapter_5b(quantity, sampler, trainer),
-            *_committed_rl(quantity, sampler, trainer, mode), *_cross_engine(quantity, sampler, trainer, mode)]
+            *_committed_rl(quantity, sampler, trainer, mode), *_cross_engine(quantity, sampler, trainer, mode, tokens)]
 
 
 def verdict(value: float, low: float, high: float, found: list[Reference], why_none: str = "") -> str:

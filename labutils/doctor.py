@@ -6,7 +6,8 @@ prompts with the sampler, keeping log μ of the whole vocabulary, and rescores t
 (`--trainer-mode autocast`: fp32 weights under `torch.autocast`, as the book's RL runs train; `pure`: the
 weights cast whole). It reports the exact token KL[μ‖π] and its k3 estimate with standard errors over
 sequences, where in the sequence and at which probabilities the KL sits, how the sequence log-weight drifts
-and spreads with length, what trl's importance-sampling modes make of these samples, what trl, verl and
+and spreads with length, what trl's importance-sampling modes make of these samples, how far the largest
+activation of each layer sits below fp16's largest value (chapter 8's probe), what trl, verl and
 NeMo-RL would log for them, and a verdict against the book's own measurements where it has some. All of it
 goes to a JSON file, with a figure beside it.
 """
@@ -344,7 +345,8 @@ def verdicts(found: dict, sampler: str, trainer: str, mode: str, book_model: boo
         rows[f"trl_default_weight.{default_mode}.{n}"] = (weight["mean"], low, high)
     out = {}
     for quantity, (value, low, high) in rows.items():
-        refs = book_measurements.references(quantity, sampler, trainer, mode) if not why else []
+        refs = (book_measurements.references(quantity, sampler, trainer, mode, found["kl_by_band"][-1]["to"])
+                if not why else [])
         out[quantity] = {"line": book_measurements.verdict(value, low, high, refs, why),
                          "references": [asdict(r) for r in refs]}
     return out
@@ -440,6 +442,7 @@ def run(args: argparse.Namespace, profile=None) -> dict:
     with scope:
         scored = trainer.score(out, args.temperature, keep_vocab=True)
     del trainer
+    headroom = activation_headroom(model, out, args.micro_batch, request["device"])
     mask = out.mask.float()
     kl = mismatch.token_kl(out.vocab_logprobs, scored.vocab) * mask
     log_mu, log_pi = out.logprobs, scored.logprobs
@@ -447,6 +450,7 @@ def run(args: argparse.Namespace, profile=None) -> dict:
     scored_at = time.perf_counter()
 
     found = analyse(log_mu, log_pi, mask, kl)
+    found["activations"] = headroom
     found["per_sequence_kl"] = ((kl * mask).sum(-1) / mask.sum(-1)).tolist()  # for comparisons paired by prompt
     if nucleus is not None:  # where the engines otherwise agree, KL[μ‖π] = −log(kept mass) per token
         lost = -nucleus.kept_mass()[:, : mask.shape[1]].double().log() * mask
@@ -480,6 +484,31 @@ def colour_name(request: dict) -> str:
         return {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}.get(request["sampler"], "emulated")
     names = {"real": str(rollout.DTYPES.get(dial.name)).removeprefix("torch."), "fp8": "float8_e4m3fn"}
     return names.get(dial.kind, "emulated")
+
+
+def activation_headroom(model, out, rows: int, device: str) -> dict:
+    """The largest |activation| per decoder layer (residual stream, MLP hidden, attention scores q·k) of the fp32
+    model on the first `rows` sampled sequences, and fp16's headroom over it (chapter 8's probe)."""
+    from . import overflow
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not all(hasattr(getattr(layer, "mlp", None), "down_proj") for layer in layers):
+        return {"measured": False, "why": "this architecture has no per-layer MLP down_proj to watch"}
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(overflow.register_probe())  # eager attention that also records q·k
+    try:
+        ids, _, _ = rollout.pack(out, torch.arange(min(rows, len(out.prompt_ids))), rollout.special_ids(model.config)[0])
+        with torch.no_grad(), overflow.Maxima(model) as maxima:
+            model(**rollout.packed_inputs(ids, device))
+    finally:
+        model.set_attn_implementation(previous)
+    found = {"measured": True, "fp16_max": overflow.FP16_MAX, "sequences": min(rows, len(out.prompt_ids))}
+    for place in overflow.PLACES:
+        per_layer = maxima.max[place]
+        largest = max(per_layer)
+        found[place] = {"max": largest, "layer": per_layer.index(largest), "headroom": overflow.headroom(largest),
+                        "per_layer": per_layer}
+    return found
 
 
 def build_engines(args: argparse.Namespace, request: dict, model):
@@ -559,6 +588,17 @@ def render(found: dict) -> str:
         t = found["top_p"]
         lines.append(f"top-p {t['p']:g} keeps {t['kept_mass']:.3f} of π's mass per token on average; its closed "
                      f"form −log(kept) is {_num(t['closed_form']['value'], t['closed_form']['stderr'])} nats per token")
+    a = found.get("activations", {})
+    if a.get("measured"):
+        where = ";  ".join(f"{place.replace('_', ' ')} {a[place]['max']:.3g} (layer {a[place]['layer']})"
+                           for place in ("residual", "mlp_hidden", "attention_scores"))
+        least = min(a[place]["headroom"] for place in ("residual", "mlp_hidden", "attention_scores"))
+        lines.append(f"largest activation (fp32, {a['sequences']} sequences): {where}; fp16's largest value "
+                     f"{a['fp16_max']:,.0f} is {least:.3g}× the largest"
+                     + (": an fp16 switch does not overflow on these inputs" if least > 1 else
+                        ": these activations overflow fp16"))
+    elif a:
+        lines.append(f"largest activation: not measured ({a['why']})")
     w = found["sequence_weights"]
     lines.append(f"sequence weights π(y)/μ(y) ESS share {w['ess_share']:.3f} of {s['sequences']} sequences, "
                  f"χ² {w['chi2']:.3g}, mean {w['mean']:.3g}")

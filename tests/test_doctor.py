@@ -78,6 +78,10 @@ def test_a_run_on_the_tiny_model_writes_its_report_and_figure(tiny_profile, lab_
     assert sum(b["count"] for b in written["kl_by_mu_bucket"]) == 3 * 16
     assert list(written["prefix_sd"]) == ["16"]
     assert set(written["frameworks"]) == {"trl", "verl", "NeMo-RL"}
+    activations = written["activations"]  # chapter 8's probe: largest |value| per layer, fp16's headroom over it
+    assert activations["measured"] and activations["residual"]["headroom"] * activations["residual"]["max"] == (
+        pytest.approx(65504.0))
+    assert len(activations["mlp_hidden"]["per_layer"]) == tiny_profile.dense.num_layers
     assert written["frameworks"]["verl"]["rollout_corr/k3_kl"] == pytest.approx(written["k3"]["value"], rel=1e-6)
     assert set(written["trl_modes"]) >= {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"}
     assert all("no range" in v["line"] for v in written["verdicts"].values())  # the book measured another model
