@@ -31,6 +31,13 @@ def refusal(argv, **kwargs) -> str:
     (["--temperature", "0"], ["must be positive"]),
     (["--model", "lab:giant"], ["lab:dense"]),
     (["--model", "./no/such/checkpoint"], ["does not exist"]),
+    (["--sampler", "llama.cpp:bf16", "--top-p", "0.9"], ["--top-p", "torch sampler"]),
+    (["--sampler", "llama.cpp:bf16", "--fp32-head", "both"], ["--fp32-head both", "torch sampler"]),
+    (["--top-p", "0"], ["above 0"]),
+    (["--flash-attention", "off"], ["llama.cpp's attention", "--sampler llama.cpp:bf16"]),
+    (["--top-p", "0.9", "--logprobs", "raw"], ["truncated"]),
+    (["--micro-batch", "0"], ["at least 1"]),
+    (["--lora", "1.5"], ["[0, 1)"]),
 ])
 def test_a_bad_request_stops_in_one_sentence(argv, words, tmp_path):
     said = refusal([*argv, "--json", str(tmp_path / "d.json")])
@@ -155,21 +162,6 @@ def test_the_cross_engine_run_gives_llama_cpps_references(monkeypatch):
     assert [r.value for r in found] == [pytest.approx(1.5e-3)] and "chapter 4c" in found[0].where
     assert found[0].low < 1.5e-3 < found[0].high
     assert book_measurements.references("token_kl", "llama.cpp:bf16", "bf16", "autocast") == []
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["--sampler", "llama.cpp:bf16", "--top-p", "0.9"], ["--top-p", "torch sampler"]),
-    (["--sampler", "llama.cpp:bf16", "--fp32-head", "both"], ["--fp32-head both", "torch sampler"]),
-    (["--top-p", "0"], ["above 0"]),
-    (["--flash-attention", "off"], ["llama.cpp's attention", "--sampler llama.cpp:bf16"]),
-    (["--top-p", "0.9", "--logprobs", "raw"], ["truncated"]),
-    (["--micro-batch", "0"], ["at least 1"]),
-    (["--lora", "1.5"], ["[0, 1)"]),
-])
-def test_a_bad_stack_option_stops_in_one_sentence(argv, words, tmp_path):
-    said = refusal([*argv, "--json", str(tmp_path / "d.json")])
-    for word in words:
-        assert word in said, said
 
 
 def test_top_p_against_a_matching_trainer_is_its_closed_form(tiny_profile, lab_cache, tmp_path):
