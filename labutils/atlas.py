@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import committed, cross_engine, doctor, llamacpp
+from . import committed, doctor, llamacpp, pretrained
 
 RUN = committed.Run("04c_atlas", module="atlas", make="make atlas")
 BASE = {"--sampler": "torch:bf16", "--trainer": "torch:bf16", "--trainer-mode": "pure", "--micro-batch": "8"}
@@ -48,7 +48,7 @@ PLAN = {"tokens": 512, "sequences": 8, "seed": 0, "rows": ROWS, "base": BASE, "l
 
 def load() -> tuple[dict | None, str | None]:
     """The committed atlas and, where it cannot be shown beside this checkout, why."""
-    return RUN.load(PLAN, cross_engine.model_fingerprint())
+    return RUN.load(PLAN, pretrained.identity())
 
 
 def row_args(flags: dict, plan: dict, folder: Path) -> argparse.Namespace:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> Path:
                                        "sampler_label": found["setup"]["sampler_label"]}))
             print(f"{factor}: {setting}: token KL {found['token_kl']['value']:.3g} ± "
                   f"{found['token_kl']['stderr']:.2g}", flush=True)
-    target = RUN.write({"rows": rows}, PLAN, cross_engine.model_fingerprint(), began, args.target, code)
+    target = RUN.write({"rows": rows}, PLAN, pretrained.identity(), began, args.target, code)
     print(f"wrote {target} in {(time.time() - began) / 60:.1f} minutes")
     return target
 

@@ -163,12 +163,15 @@ def _committed_rl(quantity: str, sampler: str, trainer: str, mode: str) -> list[
         return []
     if not str(payload.get("provenance", {}).get("model", "")).startswith(pretrained.NAME):
         return []
-    growth = payload.get("growth", {}).get(f"{sampler}_{trainer}")
-    if not growth:
+    runs = payload.get("runs", {}).get(f"{sampler}_{trainer}")
+    if not runs:
         return []
-    plan, made = payload["plan"], payload["provenance"]
-    draws = plan["probe_sequences"] * int(growth.get("seeds", 1))
-    value, se = growth["start"], growth["start_se"]
+    plan, made = payload["chosen"], payload["provenance"]
+    # each probe prompt's value before training, averaged over the seeds (which share their prompts)
+    start = [sum(values) / len(values) for values in zip(*(r["probe_mismatch"][0] for r in runs))]
+    draws = len(start)
+    value = sum(start) / draws
+    se = (sum((v - value) ** 2 for v in start) / (draws - 1) / draws) ** 0.5
     return [Reference(value, *_interval(value, se, draws),
                       f"chapter 5's committed GRPO run before training, {sampler} sampler, "
                       f"{'fp32' if trainer == 'fp32' else trainer + ' autocast'} trainer, "

@@ -11,6 +11,7 @@ the fingerprint does not match this checkout, one sentence saying what to run.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import json
 import time
@@ -38,6 +39,13 @@ def modules_run(name: str) -> list[str]:
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 todo += [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
     return sorted(found)
+
+
+def _plain(value):
+    """A plan's dataclasses (a profile's parts) as the dicts JSON can hold."""
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} cannot be written into a committed run's file.")
 
 
 @dataclass(frozen=True)
@@ -89,5 +97,5 @@ class Run:
                                   "kernel_set": env.kernel_set(), "torch_threads": torch.get_num_threads(),
                                   "env": env.env_report()}}
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(payload, indent=1) + "\n")
+        target.write_text(json.dumps(payload, indent=1, default=_plain) + "\n")
         return target

@@ -38,14 +38,9 @@ def llama_name(kind: str, flash_attention: str) -> str:
     return f"llama.cpp:{kind}" + ("" if flash_attention == "auto" else ":fa_off")
 
 
-def model_fingerprint() -> str:
-    """The real model's identity: the shipped file the GGUF types and the torch weights both come from."""
-    return f"{pretrained.NAME}-{pretrained._fingerprint(pretrained.gguf_path())}"
-
-
 def load(plan: dict = PLAN) -> tuple[dict | None, str | None]:
     """The committed run and, where it cannot be shown beside this checkout, why."""
-    return RUN.load(plan, model_fingerprint())
+    return RUN.load(plan, pretrained.identity())
 
 
 def samplers(model, plan: dict) -> dict:
@@ -110,7 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
     found = measure(model, prompts, plan)
     found["precision"] = dict(llamacpp.PRECISION)
     found["precision_sources"] = dict(llamacpp.SOURCES)
-    target = RUN.write(found, plan, model_fingerprint(), began, args.target, code)
+    target = RUN.write(found, plan, pretrained.identity(), began, args.target, code)
     print(f"wrote {target} in {(time.time() - began) / 60:.1f} minutes")
     return target
 

@@ -268,8 +268,10 @@ def _engine_trainer_class():
         """GRPOTrainer with a training engine in `train_dtype` and trl's IS options applied to rollout_func log-probs.
 
         The training engine's precision is autocast around every loss forward (trainer's public
-        `autocast_smart_context_manager` hook): weights and optimizer stay fp32, the forward runs in
-        `train_dtype`, as under FSDP/DeepSpeed mixed precision. trl applies its importance-sampling
+        `autocast_smart_context_manager` hook): weights and optimizer stay fp32, the forward's matrix products
+        run in `train_dtype` and its residual stream stays fp32, as under accelerate's mixed precision (torch
+        AMP). verl's FSDP actor and DeepSpeed's bf16 mode cast the parameters instead, so their whole forward
+        runs in that dtype (chapter 4b's pure-dtype `rollout.TrainingEngine` computes so). trl applies its importance-sampling
         correction (`vllm_importance_sampling_*`) only to vLLM rollouts; here the same options are
         applied to the inference engine's log-probs by weighting the advantages per token.
         """
@@ -296,12 +298,14 @@ def _engine_trainer_class():
             return self.own_loss_scaler
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            scaler = self.own_loss_scaler
+            # an fp16 engine's scaler: ours on a CPU, accelerate's own off it (built for fp16 on CUDA)
+            scaler = self.accelerator.scaler if self.train_dtype == torch.float16 else None
             if scaler is not None:  # the scale this step's backward uses; a drop at the next step marks a skipped step
                 self._metrics["train"]["loss_scale"].append(scaler.get_scale())
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if scaler is not None and self.accelerator.sync_gradients:
-                # true gradients before the trainer clips them and logs their norm; the step then reuses found_inf
+            if scaler is not None and scaler is self.own_loss_scaler and self.accelerator.sync_gradients:
+                # true gradients before the trainer clips them and logs their norm (accelerate's own fp16 mode
+                # unscales in its clip_grad_norm_); the step then reuses found_inf
                 scaler.unscale_(getattr(self.optimizer, "optimizer", self.optimizer))
             return loss
 

@@ -149,8 +149,9 @@ class Engine:
     """A llama.cpp context over one GGUF type of the real model, sampling like `rollout.InferenceEngine`.
 
     All rows decode together, one token each per step (one sequence id per row, as a server batches them);
-    each step's logits come back as F32, and the book's sampler (EOS ban, temperature, one uniform per live
-    row from `generator`) draws from them, so a torch engine and this one given the same seed share their draws.
+    each step's logits come back as F32, and the book's sampler (`rollout.sample_step`: EOS ban, temperature,
+    Gumbel-max draws per row and step from `generator`) draws from them, so a torch engine and this one given
+    the same seed share their draws and write the same tokens until their distributions move an argmax.
     """
 
     def __init__(self, kind: str, threads: int | None = None, path: Path | None = None,
@@ -245,17 +246,10 @@ class Engine:
         rows = torch.arange(batch)
         logits = self._prefill(ctx, prompt_ids)
         for step in range(steps):
-            logits = rollout._ban_eos(logits, self.eos_id, step < floor[rows])
-            step_logp = torch.log_softmax(logits / temperature, dim=-1)
-            token = rollout._draw(step_logp, generator)
-            completion[rows, step], alive[rows, step] = token, True
-            logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
-            if vocab is not None:
-                stored = rows < kept
-                vocab[rows[stored], step] = step_logp[stored]
+            token, going = rollout.sample_step(logits, step, rows, floor, budget, temperature, generator, self.eos_id,
+                                               completion, alive, logps, vocab)
             if self.on_step is not None:
                 self.on_step()
-            going = (token != self.eos_id) & (step + 1 < budget[rows])
             if not bool(going.any()):
                 break
             rows, token = rows[going], token[going]

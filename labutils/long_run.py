@@ -1,6 +1,8 @@
 """The long run behind chapter 5b's verdict, in three phases fixed before any run (`make long`):
 
-1. the regime, chosen on the fp32 control alone: a learning-rate sweep;
+1. the regime, chosen on the fp32 control alone: a learning-rate sweep, then, with a margin, the next
+   stable rate below the largest one (the largest rate that passes a few seeds is the edge of stability),
+   kept only if fresh control seeds pass the same test there (else the next one down);
 2. the dose–response at that regime: every dial setting, its score against its own token KL;
 3. the pre-registered fix comparison at the coarsest setting, with as many fresh seeds as the
    power asks for and the budget allows.
@@ -10,25 +12,22 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import hashlib
-import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from . import env, mismatch_rl, models, rl_design
+from . import committed, mismatch_rl, models, rl_design
 from .profiles import PROFILES, Profile
 
 CHAPTER = mismatch_rl.CHAPTER
-TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / f"{CHAPTER}.json"
+RUN = committed.Run(CHAPTER, module="long_run", make="make long")
 # the dial, finest emulated setting first; not m = 10, whose samples are the fp32 control's token for token here
 DOSE = ("m7", "m5", "m4", "m3", "m2", "fp8", "bf16")
+VALIDATION_SEED0 = 50  # the regime's check on fresh control seeds: none of them trained in the sweep
 FIX_SEED0 = 100  # the fix comparison's seeds are fresh: none of them trained in phases 1 or 2
 
 
@@ -42,52 +41,15 @@ def plan_read(profile: Profile) -> dict:
             "plan": dataclasses.replace(profile.sampler_rl, steps=L.steps)}
 
 
-def modules_run(name: str = "long_run") -> list[str]:
-    """The labutils modules this run executes: `name` and everything it imports from the package,
-    followed through the source (lazy imports inside functions included)."""
-    folder = Path(__file__).parent
-    found, todo = set(), [name]
-    while todo:
-        module = todo.pop()
-        if module in found or not (folder / f"{module}.py").is_file():
-            continue
-        found.add(module)
-        for node in ast.walk(ast.parse((folder / f"{module}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                todo += [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
-    return sorted(found)
-
-
-def code_fingerprint(profile: Profile | None = None) -> str:
-    """A hash of the contents of the modules the long run executes (not of the whole package) and of the
-    profile values it reads (`plan_read`), which stand in for the profiles module's text."""
-    profile = profile or PROFILES["cpu"]
-    folder = Path(__file__).parent
-    digest = hashlib.sha256()
-    for module in modules_run():
-        if module != "profiles":
-            digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
-    for field, value in plan_read(profile).items():
-        digest.update(field.encode() + b"\0" + repr(value).encode())
-    return digest.hexdigest()[:16]
-
-
 def model_fingerprint(profile: Profile, seed: int = 0) -> str:
     """The lab model's build key: its size, warm-up and the code that builds it."""
     return models.build_key("dense", profile.dense, profile.warmup, seed)
 
 
-def stale(payload: dict, profile: Profile | None = None) -> str | None:
-    """Why a committed long-run file cannot be judged here (one sentence), or None where it can."""
+def load(profile: Profile | None = None) -> tuple[dict | None, str | None]:
+    """The committed long run and, where this checkout cannot judge it, why (one sentence)."""
     profile = profile or PROFILES["cpu"]
-    made = payload.get("provenance", {})
-    if made.get("code") != code_fingerprint(profile):
-        return ("The committed long run was made by other code or plans than this checkout's (its fingerprint "
-                f"{made.get('code')}, this checkout's {code_fingerprint(profile)}): run `make long` and commit its file.")
-    if made.get("model") != model_fingerprint(profile):
-        return ("The committed long run trained another lab model than this checkout builds: run `make long` "
-                "and commit its file.")
-    return None
+    return RUN.load(plan_read(profile), model_fingerprint(profile))
 
 
 def _jobs(pool, profile: Profile, jobs: list[tuple], eval_count: int, eval_every: int) -> list[dict]:
@@ -105,13 +67,14 @@ def _within_arm_sd(scores: dict[str, list[float]]) -> tuple[float, int]:
     return math.sqrt(squares / dof), dof
 
 
-def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None, dose: tuple[str, ...] = DOSE) -> Path:
+def run(target: Path | None = None, workers: int = 2, profile: Profile | None = None, dose: tuple[str, ...] = DOSE) -> Path:
     """All three phases, written to `target` with their curves, the design and the provenance."""
     profile = profile or PROFILES["cpu"]
     read = plan_read(profile)
     L, base, bits = read["long"], read["plan"], read["bits"]
     specs = mismatch_rl.runs_at(bits)
     specs.update({name: mismatch_rl.RunSpec(name, name) for name in dose if name not in specs})
+    began, code = time.time(), RUN.fingerprint(read)  # the code as it starts, not as it ends
     models.lab_model_dir("dense", profile)  # built once here, not by every worker at once
     os.environ["LAB_PROGRESS"] = "1"
     pool = mismatch_rl.workers(workers)
@@ -125,12 +88,22 @@ def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None,
         for (_, _, plan), result in zip(jobs, done):
             curves["sweep"].setdefault(f"{plan.lr:g}", []).append(result)
         sweep = {float(lr): rl_design.regime(c, L.eval_problems, L.min_gain) for lr, c in curves["sweep"].items()}
-        chosen = rl_design.choose(sweep)
+        chosen, validation = None, {}
+        for lr in rl_design.below_the_edge(sweep):  # then fresh control seeds must pass the same test there
+            fresh = list(range(VALIDATION_SEED0, VALIDATION_SEED0 + L.sweep_seeds))
+            done = _jobs(pool, profile, [(specs["fp32"], seed, dataclasses.replace(base, lr=lr)) for seed in fresh],
+                         L.eval_problems, L.eval_every)
+            curves.setdefault("validation", {})[f"{lr:g}"] = done
+            validation[f"{lr:g}"] = rl_design.regime(done, L.eval_problems, L.min_gain)
+            print(f"validation at lr {lr:g}: {validation[f'{lr:g}']['stable']}", flush=True)
+            if validation[f"{lr:g}"]["stable"]:
+                chosen = lr
+                break
         phases["sweep"] = time.perf_counter() - start
         print(f"sweep: {({lr: s['stable'] for lr, s in sweep.items()})}; chosen lr {chosen}", flush=True)
         if chosen is None:
-            raise SystemExit("No learning rate of the sweep gave a stable fp32 control "
-                             f"({sweep}): widen `lrs` in the cpu profile's long plan and run again.")
+            raise SystemExit("No learning rate below the sweep's largest stable one passed on fresh fp32 seeds "
+                             f"({sweep}, {validation}): add smaller rates to `lrs` in the cpu profile's long plan.")
         plan = dataclasses.replace(base, lr=chosen)
         # 2. the dose–response at the chosen regime; its fp32 arm is the sweep's seeds at that rate
         jobs = [(specs[name], seed, plan) for name in dose for seed in sweep_seeds]
@@ -162,21 +135,14 @@ def run(target: Path = TARGET, workers: int = 2, profile: Profile | None = None,
     payload = {
         "chapter": CHAPTER, "kind": "long run", "profile": profile.name,
         "seconds": round(time.perf_counter() - start, 1), "phase_seconds": {k: round(v, 1) for k, v in phases.items()},
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "provenance": {"code": code_fingerprint(profile), "modules": modules_run(), "plan_read": sorted(plan_read(profile)),
-                       "model": model_fingerprint(profile),
-                       "profile": profile.name,
-                       "cpu": env.cpu_model(), "kernel_set": env.kernel_set(), "env": env.env_report(),
-                       "torch_threads": 1, "workers": workers},
+        "workers": workers,
         "design": {"long": dataclasses.asdict(L), "plan": dataclasses.asdict(plan), "bits": bits, "roles": roles,
-                   "dose": list(dose), "sweep": {f"{lr:g}": s for lr, s in sweep.items()}, "chosen_lr": chosen,
-                   "sd_seed": sd_seed, "sd_dof": dof, "sd_diff": sd_diff, "seeds_needed": needed,
+                   "dose": list(dose), "sweep": {f"{lr:g}": s for lr, s in sweep.items()}, "validation": validation,
+                   "chosen_lr": chosen, "sd_seed": sd_seed, "sd_dof": dof, "sd_diff": sd_diff, "seeds_needed": needed,
                    "fix_seeds": fix_seeds},
         "curves": curves,
     }
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(payload, indent=1, sort_keys=True))
-    return target
+    return RUN.write(payload, read, model_fingerprint(profile), began, target, code)
 
 
 def main(argv: list[str] | None = None) -> None:

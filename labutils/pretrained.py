@@ -45,10 +45,16 @@ def _fingerprint(path: Path) -> str:
     return hashlib.sha256(head + str(path.stat().st_size).encode()).hexdigest()[:16]
 
 
+def identity() -> str:
+    """The real model as a committed run's provenance names it: its name and the shipped file's fingerprint
+    (also the name of its converted folder in the lab cache)."""
+    return f"{NAME}-{_fingerprint(gguf_path())}"
+
+
 def model_dir(root: Path) -> Path:
     """The converted checkpoint's folder under the lab cache's `root`, converted on first use."""
     source = gguf_path()
-    target = root / f"{NAME}-{_fingerprint(source)}"
+    target = root / identity()
     if not (target / SOURCE_FILE).is_file():
         print(f"converting {DESCRIPTION} into the lab cache (once per cache)")
         convert(source, target)

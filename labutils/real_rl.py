@@ -13,15 +13,13 @@ noisy to show a trend, so at the same steps a fixed probe (`probe`) measures the
 the vocabulary on fixed prompts, with the policy's drift from its start beside it.
 
 The long run (`make long-real`, `python -m labutils.real_rl`) first picks the learning rate on the
-fp32 control (`choose_lr`), then runs every pair at it, and writes results/long/real_rl.json with the
-fingerprint of the modules it runs and of the model (the library versions are in its provenance); a
-chapter refuses a file whose fingerprint does not match.
+fp32 control (`choose_lr`), then runs every pair at it, and writes results/long/real_rl.json through
+`labutils.committed`: the fingerprint of the modules it runs, of its plan and of the model (the library
+versions are in its provenance); a chapter refuses a file whose fingerprint does not match.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import random
 import re
@@ -31,11 +29,9 @@ from pathlib import Path
 
 import torch
 
-from . import env, grpo, mismatch, models, rollout
+from . import committed, grpo, mismatch, models, rollout
 from .profiles import RealRlPlan
-from .sampling_speed import model_fingerprint  # the converted model's folder name, as chapter 4b's speed run
 
-TARGET = Path(__file__).resolve().parent.parent / "results" / "long" / "real_rl.json"
 
 PAIRS = ("fp32_fp32", "bf16_bf16", "fp16_fp16")
 PROMPT = "Repeat this number exactly: {n}"
@@ -203,21 +199,6 @@ def growth(result: dict, key: str = "probe_mismatch") -> dict:
             "change_se": change_se}
 
 
-def pooled_growth(results: list[dict], key: str = "probe_mismatch") -> dict:
-    """`growth` averaged over a pair's seeds, standard errors combined as independent; and the verdict:
-    "grew" or "shrank" where the change is beyond 3 standard errors, else "no change seen", with the
-    smallest change this run could have seen (3 SE) as a share of the start."""
-    each = [growth(r, key) for r in results]
-    n = len(each)
-    out = {k: sum(g[k] for g in each) / n for k in ("start", "end", "change")}
-    out |= {k: sum(g[k] ** 2 for g in each) ** 0.5 / n for k in ("start_se", "end_se", "change_se")}
-    seen = abs(out["change"]) > 3 * out["change_se"]
-    out["verdict"] = ("grew" if out["change"] > 0 else "shrank") if seen else "no change seen"
-    out["detectable_share"] = 3 * out["change_se"] / out["start"] if out["start"] > 0 else float("nan")
-    out["seeds"] = n
-    return out
-
-
 # the committed run's size, fixed before it ran. On a 2-core CPU a step of 8 completions takes about 13 s
 # in fp32 and bf16, and several times that in fp16 (this CPU has no fp16 matrix kernels), so fp16 gets one
 # seed and the others more. The learning rate is the control's choice among LONG_LRS (`choose_lr`).
@@ -225,35 +206,15 @@ LONG = RealRlPlan(steps=24, prompts_per_step=2, group=4, lr=1e-5, max_new_tokens
                   eval_every=6, probe_sequences=32)
 LONG_LRS = (1e-4, 3e-5, 1e-5)  # tried largest first, until one holds
 LONG_SEEDS = {"fp32_fp32": 2, "bf16_bf16": 3, "fp16_fp16": 1}
+RUN = committed.Run("real_rl", module="real_rl", make="make long-real")
+PLAN = {"long": LONG, "lrs": LONG_LRS, "seeds": LONG_SEEDS, "pairs": PAIRS, "task": PROMPT}
 
 
-def code_fingerprint() -> str:
-    """A hash of this module and of the labutils modules it runs."""
-    from .long_run import modules_run
-
-    folder = Path(__file__).parent
-    digest = hashlib.sha256()
-    for module in modules_run("real_rl"):
-        if module != "profiles":
-            digest.update(module.encode() + b"\0" + (folder / f"{module}.py").read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def stale(payload: dict) -> str | None:
-    """Why a committed long run cannot be read by this checkout (one sentence), or None."""
-    made = payload.get("provenance", {})
-    if made.get("code") != code_fingerprint() or made.get("model") != model_fingerprint():
-        return ("The committed real-model RL run was made by other code or another model than this checkout's: "
-                "run `make long-real` and commit its file.")
-    return None
-
-
-def load(target: Path = TARGET) -> tuple[dict | None, str | None]:
+def load() -> tuple[dict | None, str | None]:
     """The committed long run and, where it cannot be used, why."""
-    if not target.is_file():
-        return None, "No long run is committed yet (`make long-real` makes one), so the question stays open."
-    payload = json.loads(target.read_text())
-    return payload, stale(payload)
+    from . import pretrained
+
+    return RUN.load(PLAN, pretrained.identity())
 
 
 def run_plan(plan: RealRlPlan, profile, output_dir: str, model_id: str, pairs=PAIRS, progress=print,
@@ -306,11 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     from . import pretrained, profiles
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", type=Path, default=TARGET)
+    parser.add_argument("--target", type=Path, default=None)
     args = parser.parse_args(argv)
-    began = time.time()
+    began, code = time.time(), RUN.fingerprint(PLAN)  # the code as it starts, not as it ends
     profile = profiles.PROFILES["cpu"]
-    args.target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         lr, pilot, control = choose_lr(profile, scratch, pretrained.NAME)
         plan, runs = replace(LONG, lr=lr), {"fp32_fp32": [control]}
@@ -319,17 +279,9 @@ def main(argv: list[str] | None = None) -> None:
             more = run_plan(plan, profile, scratch, pretrained.NAME, pairs=(pair,),
                             seeds={pair: range(done, LONG_SEEDS[pair])})
             runs[pair] = runs.get(pair, []) + more.get(pair, [])
-            payload = {"plan": asdict(plan), "seeds": LONG_SEEDS, "pilot": pilot, "task": PROMPT, "runs": runs,
-                       "complete": len(runs) == len(PAIRS),
-                       "growth": {pair: pooled_growth(results) for pair, results in runs.items()},
-                       "drift": {pair: pooled_growth(results, "probe_drift") for pair, results in runs.items()},
-                       "minutes": (time.time() - began) / 60,
-                       "provenance": {"code": code_fingerprint(), "model": model_fingerprint(),
-                                      "date": time.strftime("%Y-%m-%d", time.gmtime(began)), "cpu": env.cpu_model(),
-                                      "kernel_set": env.kernel_set(), "torch_threads": torch.get_num_threads(),
-                                      "env": env.env_report()}}
-            args.target.write_text(json.dumps(payload, indent=1) + "\n")
-            print(f"wrote {args.target} ({', '.join(runs)})")
+            payload = {"chosen": asdict(plan), "seeds": LONG_SEEDS, "pilot": pilot, "task": PROMPT, "runs": runs,
+                       "complete": len(runs) == len(PAIRS)}
+            print(f"wrote {RUN.write(payload, PLAN, pretrained.identity(), began, args.target, code)} ({', '.join(runs)})")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,12 @@ def regime(curves: list[dict], problems: int, min_gain: float) -> dict:
             "seeds": len(curves), "gains": gains, "stable": improved == len(curves) and min(dips) >= -limit}
 
 
-def choose(sweep: dict[float, dict]) -> float | None:
-    """The largest learning rate whose `regime` is stable, or None where none is."""
-    stable = [lr for lr, found in sweep.items() if found["stable"]]
-    return max(stable) if stable else None
+def below_the_edge(sweep: dict[float, dict]) -> list[float]:
+    """The stable learning rates of a sweep below its largest stable one, largest first. The largest rate
+    that passes a few seeds is the edge of stability (fresh seeds at it fail about as often as they pass),
+    so the regime is taken one stable rate below it, and checked again on fresh seeds."""
+    stable = sorted((lr for lr, found in sweep.items() if found["stable"]), reverse=True)
+    return stable[1:]
 
 
 def paired_power(effect: float, sd_diff: float, seeds: int, level: float = LEVEL) -> float:

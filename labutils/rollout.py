@@ -198,16 +198,8 @@ class InferenceEngine:
                 completion, alive, logps, vocab, experts, recorder):
         """The token-by-token loop; writes into the preallocated output tensors."""
         for step in range(steps):
-            # the serving stack's sampler: logits upcast to fp32, EOS banned below the floor, tempered
-            logits = _ban_eos(out.logits[:, -1].float(), self.eos_id, step < floor[rows])
-            step_logp = torch.log_softmax(logits / temperature, dim=-1)
-            token = _draw(step_logp, generator)
-            completion[rows, step], alive[rows, step] = token, True
-            logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
-            if vocab is not None:
-                stored = rows < vocab.shape[0]
-                vocab[rows[stored], step] = step_logp[stored]
-            going = (token != self.eos_id) & (step + 1 < budget[rows])
+            token, going = sample_step(out.logits[:, -1].float(), step, rows, floor, budget, temperature, generator,
+                                       self.eos_id, completion, alive, logps, vocab)
             if not bool(going.any()):
                 break
             if not bool(going.all()):  # finished rows leave the batch, as in continuous batching
@@ -223,16 +215,40 @@ class InferenceEngine:
                     experts[rows, step + 1, layer] = chosen
 
 
-def _draw(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row by inverse CDF: one uniform per row, where `torch.multinomial` draws an exponential
-    for every vocabulary entry (ten times slower on a 49K vocabulary, a quarter of the sampling time)."""
-    cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # a float64 running sum over 49K entries
-    if not bool(torch.isfinite(cdf[:, -1]).all()):
+def sample_step(logits, step: int, rows, floor, budget, temperature: float, generator, eos_id: int,
+                completion, alive, logps, vocab) -> tuple[torch.Tensor, torch.Tensor]:
+    """The serving stack's sampler at one step, the same for every engine: fp32 logits of the rows still
+    generating, EOS banned below each row's floor, tempered, one token drawn per row (`_draw`); the token,
+    its log μ and (where kept) the vocabulary's log μ are written into the outputs. Returns the tokens and
+    which of `rows` go on."""
+    logits = _ban_eos(logits, eos_id, step < floor[rows])
+    step_logp = torch.log_softmax(logits / temperature, dim=-1)
+    token = _draw(step_logp, rows, len(completion), generator)
+    completion[rows, step], alive[rows, step] = token, True
+    logps[rows, step] = step_logp.gather(-1, token[:, None]).squeeze(-1)
+    if vocab is not None:
+        stored = rows < vocab.shape[0]
+        vocab[rows[stored], step] = step_logp[stored]
+    return token, (token != eos_id) & (step + 1 < budget[rows])
+
+
+def _draw(logp: torch.Tensor, rows: torch.Tensor, batch: int, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row still generating (`rows`, of `batch`) by the Gumbel-max trick: argmax of log p plus
+    a Gumbel draw for every vocabulary entry.
+
+    Each step draws for the whole batch, so a row's draws depend on the seed, its index and the step only,
+    never on which other rows have ended; and two engines whose distributions differ slightly pick the same
+    token unless the perturbation moves the argmax, so samplers seeded alike stay coupled until a row's first
+    differing token (inverse-CDF sampling splits as soon as any cumulative sum moves past the uniform). The
+    uniforms are float64, so that the Gumbel's tail is not cut where a float32 uniform would end (at 2^-24).
+    """
+    uniform = torch.rand((batch, logp.shape[-1]), dtype=torch.float64, device=logp.device, generator=generator)
+    scores = logp - torch.log(-torch.log(uniform[rows]))  # a uniform of 0 gives -inf: never chosen
+    best = scores.max(-1)
+    if not bool(torch.isfinite(best.values).all()):
         raise RuntimeError("the sampler's probabilities are not finite: the policy's weights or logits hold inf "
                            "or NaN (chapter 11, row 7); find the first non-finite weight, not a sampler fix.")
-    uniform = torch.rand((len(cdf), 1), dtype=torch.float64, device=cdf.device, generator=generator)
-    # right=True: the first entry whose running sum exceeds u·total, never one of probability 0 (a banned EOS)
-    return torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1).clamp_max(cdf.shape[-1] - 1)
+    return best.indices
 
 
 def _per_row(value, batch: int, name: str) -> torch.Tensor:

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from . import committed, real_rl, rollout, sampler_precision, sampling_correction
+from . import committed, pretrained, real_rl, rollout, sampler_precision, sampling_correction
 from .mismatch import token_kl
 from .mismatch_rl import TIS_CLIP
-from .sampling_speed import model_fingerprint
+
 
 RUN = committed.Run("05c_update_direction", module="update_direction", make="make direction")
 SAMPLERS = ("fp32_replicate", "fp16", "bf16", "fp8", "m5", "m4", "m3", "m2")
@@ -298,14 +298,14 @@ def preregister(pilot: dict, plan: dict, seconds_per_batch: float) -> dict:
 
 def load() -> tuple[dict | None, str | None]:
     """The committed run and, where this checkout cannot show it, why."""
-    return RUN.load(PLAN, model_fingerprint())
+    return RUN.load(PLAN, pretrained.identity())
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", type=Path, default=None)
     args = parser.parse_args(argv)
-    from . import models, pretrained
+    from . import models
 
     model, tokenizer = models.load(pretrained.NAME)
     began, code = time.time(), RUN.fingerprint(PLAN)  # the code as it starts, not as it ends
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
                "achieved_power": power(at["rho_se"], PLAN["smallest_drop"], PLAN["alpha"]),
                "completions_for_80": completions_for(at["rho_se"], main_raw["completions"], PLAN["smallest_drop"],
                                                      PLAN["alpha"])}
-    target = RUN.write(result, PLAN, model_fingerprint(), began, args.target, code)
+    target = RUN.write(result, PLAN, pretrained.identity(), began, args.target, code)
     print(f"wrote {target}")
 
 

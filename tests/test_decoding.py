@@ -67,12 +67,35 @@ def test_the_cache_grows_in_place_and_keeps_the_selected_rows():
 def test_draws_follow_the_probabilities_and_never_pick_an_impossible_token():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     rows = 20_000
-    tokens = rollout._draw(probs.log().expand(rows, 4), torch.Generator().manual_seed(0))
+    everyone = torch.arange(rows)
+    tokens = rollout._draw(probs.log().expand(rows, 4), everyone, rows, torch.Generator().manual_seed(0))
     counts = torch.bincount(tokens, minlength=4).double()
     stderr = (rows * probs.double() * (1 - probs.double())).sqrt()
     assert counts[1] == 0 and ((counts - rows * probs).abs() <= 5 * stderr + 1e-9).all()
     with pytest.raises(RuntimeError, match="not finite"):
-        rollout._draw(torch.tensor([[float("nan"), 0.0]]), None)
+        rollout._draw(torch.tensor([[float("nan"), 0.0]]), torch.arange(1), 1, None)
+
+
+def test_a_rows_draw_depends_on_its_index_and_step_not_on_which_rows_are_left():
+    logp = torch.log_softmax(torch.randn(6, 50, generator=torch.Generator().manual_seed(1)), -1)
+    whole = rollout._draw(logp, torch.arange(6), 6, torch.Generator().manual_seed(2))
+    left = torch.tensor([1, 4, 5])  # the others have ended
+    assert torch.equal(rollout._draw(logp[left], left, 6, torch.Generator().manual_seed(2)), whole[left])
+
+
+def test_engines_with_identical_weights_write_identical_completions_when_rows_end_at_different_steps(
+        tiny_profile, lab_cache):
+    from labutils import models
+
+    model, _ = models.load(None, "dense", tiny_profile, seed=0)
+    ids = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 1]]
+    budgets = [3, 12, 7, 12]  # rows leave the batch at steps 3 and 7; the others must not notice
+    whole = rollout.InferenceEngine(model, torch.float32).sample(ids, budgets, budgets,
+                                                                  generator=torch.Generator().manual_seed(5))
+    alone = rollout.InferenceEngine(model, torch.float32).sample(ids, 12, 12, generator=torch.Generator().manual_seed(5))
+    assert whole.lengths.tolist() == budgets
+    for row, n in enumerate(budgets):
+        assert torch.equal(whole.completion_ids[row, :n], alone.completion_ids[row, :n])
 
 
 def test_only_the_samplers_copy_runs_the_decode_attention(tiny_profile, lab_cache):

@@ -94,6 +94,24 @@ def test_fp16_engine_gets_a_scaler_that_scales_unscales_before_clipping_and_step
                                                                                              scaled_grads) < 0.5
 
 
+def test_an_fp16_engine_logs_the_scale_of_accelerates_own_scaler_where_accelerate_built_one(
+        tiny_profile, lab_cache, tmp_path, monkeypatch):
+    # on CUDA accelerate builds the GradScaler itself: the trace must follow that scaler, not stay empty
+    monkeypatch.setattr(grpo, "exact_match_reward", length_reward)
+    model, tokenizer = models.load(None, "dense", tiny_profile, seed=0)
+    plan = dataclasses.replace(tiny_profile.rl, steps=2, batch_size=4, num_generations=2, min_walk=1, max_walk=3,
+                               prompts=16)
+    sampler = grpo.EngineRollout(rollout.InferenceEngine(model, torch.float16, "cpu"),
+                                 max_new_tokens=task.completion_length(plan.max_walk) + 1, seed=0)
+    args = grpo.config(tiny_profile, str(tmp_path / "accelerate"), seed=0, plan=plan)
+    trainer = grpo.engine_trainer(model, tokenizer, args, tiny_profile, sampler, torch.float16, seed=0, plan=plan)
+    accelerates = trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert trainer.add_loss_scaler() is accelerates and trainer.own_loss_scaler is None
+    trainer.train()
+    scales = [e["loss_scale"] for e in trainer.state.log_history if "loss_scale" in e]
+    assert len(scales) == 2 and scales[0] == 2.0**10
+
+
 def test_only_fp16_engines_get_a_scaler(tiny_profile, lab_cache, tmp_path):
     model, tokenizer = models.load(None, "dense", tiny_profile, seed=0)
     plan = dataclasses.replace(tiny_profile.rl, steps=1, batch_size=4, num_generations=2, min_walk=1, max_walk=3,

@@ -1,5 +1,4 @@
 """RL on the real model (labutils.real_rl): its task, its reward, the long run's file (chapter 5 runs it)."""
-import json
 
 import pytest
 
@@ -27,16 +26,13 @@ def test_an_unknown_pair_is_refused_before_any_work():
         real_rl.run("bf16_fp32", profiles.PROFILES["cpu"], 1, 1, 2, 1e-5, 4, [10], 1, "/tmp", pretrained.NAME)
 
 
-def test_a_long_run_file_from_other_code_is_refused_in_one_sentence(tmp_path):
-    missing, why = real_rl.load(tmp_path / "absent.json")
-    assert missing is None and "make long-real" in why
-    (tmp_path / "old.json").write_text(json.dumps({"provenance": {"code": "0" * 16}}))
-    payload, why = real_rl.load(tmp_path / "old.json")
-    assert payload is not None and why.count(". ") == 0 and why.endswith(".") and "make long-real" in why
+def test_a_long_run_file_from_other_code_is_refused_in_one_sentence():
+    why = real_rl.RUN.stale({"provenance": {"code": "0" * 16}}, real_rl.PLAN, "model")
+    assert why.count(". ") == 0 and why.endswith(".") and "make long-real" in why
 
 
 def test_the_fingerprint_covers_the_trainer_and_the_engines():
-    from labutils.long_run import modules_run
+    from labutils.committed import modules_run
 
     assert {"real_rl", "grpo", "rollout", "decoding", "mismatch"} <= set(modules_run("real_rl"))
 
@@ -60,25 +56,15 @@ def test_the_probe_sees_no_fp32_mismatch_no_drift_at_the_start_and_a_bf16_mismat
     assert sum(abs(v) for v in fp32["mismatch"]) < sum(bf16["mismatch"]) / 100
 
 
-def test_growth_is_paired_and_the_verdict_needs_three_standard_errors():
-    steady = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.1, 2.1, 3.1, 4.1]]}  # every sequence up by 0.1
-    noisy = {"probe_mismatch": [[1.0, 2.0, 3.0, 4.0], [1.3, 1.7, 3.3, 3.9]]}
-    grew = real_rl.pooled_growth([steady])
-    assert grew["change"] == pytest.approx(0.1) and grew["change_se"] < 1e-9 and grew["verdict"] == "grew"
-    unclear = real_rl.pooled_growth([noisy, noisy])
-    assert unclear["verdict"] == "no change seen" and unclear["seeds"] == 2
-    assert unclear["detectable_share"] == pytest.approx(3 * unclear["change_se"] / 2.5)
-
-
 def test_the_committed_long_run_is_this_checkouts_complete_and_read_as_its_code_reads_it():
+    from labutils.rl_analysis import probe_change
+
     payload, why = real_rl.load()
     assert why is None, why
     assert payload["complete"] and {pair: len(runs) for pair, runs in payload["runs"].items()} == payload["seeds"]
     for pair, runs in payload["runs"].items():
-        recorded, computed = dict(payload["growth"][pair]), real_rl.pooled_growth(runs)
-        assert recorded.pop("verdict") == computed.pop("verdict")
-        assert recorded == pytest.approx(computed, nan_ok=True)
         assert all(len(r["probe_mismatch"]) == len(r["eval_steps"]) for r in runs)
+        assert probe_change(runs)["prompts"] == payload["chosen"]["probe_sequences"]
 
 
 def test_the_control_holds_only_if_no_evaluation_falls_beyond_two_standard_errors():

@@ -1,28 +1,26 @@
 """Chapter 4b's speed measurement: its plumbing on the tiny model, and the committed 32 × 512 run."""
-import json
-
 import pytest
 
 from labutils import models, sampling_speed
 
 
 def test_the_committed_speed_run_was_made_by_this_sampling_code_and_model():
-    payload = json.loads(sampling_speed.TARGET.read_text())
-    assert sampling_speed.stale(payload) is None, sampling_speed.stale(payload)
+    payload, why = sampling_speed.load()
+    assert why is None, why
     for speed in payload["speeds"].values():
         assert (speed["batch"], speed["length"], speed["tokens"]) == (32, 512, 32 * 512)
         assert speed["sample_over_forward"] == pytest.approx(speed["sample_tokens_per_s"] / speed["forward_tokens_per_s"])
 
 
 def test_a_file_from_other_code_is_refused_in_one_sentence():
-    said = sampling_speed.stale({"provenance": {"code": "0" * 16}})
+    said = sampling_speed.RUN.stale({"provenance": {"code": "0" * 16}}, sampling_speed.PLAN, "model")
     assert said.count(". ") == 0 and said.endswith(".") and "make speed" in said
 
 
 def test_the_fingerprint_covers_the_engines_code():
-    from labutils.long_run import modules_run
+    from labutils.committed import modules_run
 
-    assert {"rollout", "decoding"} <= set(modules_run("rollout"))
+    assert {"sampling_speed", "rollout", "decoding"} <= set(modules_run("sampling_speed"))
 
 
 def test_a_measurement_counts_generated_tokens_only(tiny_profile, lab_cache):
