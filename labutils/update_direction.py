@@ -17,11 +17,15 @@ From the updates of independent batches, unbiased cross-batch products give, per
 KL[μ‖π] over the vocabulary summed over a completion's tokens, along μ's samples.
 
 Coupling: EOS is banned at every position (as a serving stack's `min_tokens` bans it), for the sampler and
-the trainer alike, so the policy measured is the EOS-banned one; every row stays alive at every step and
-the samplers, seeded alike, draw the same uniform for the same row and step: two samplers' completions
-agree until their first differing token. The fp32 replicate samples from another seed stream: it is the uncoupled
-noise floor, and ρ measured against it (instead of against π's coupled batches) is the uncoupled
-estimate at the same number of completions.
+the trainer alike, so the policy measured is the EOS-banned one. The samplers, seeded alike, draw by
+Gumbel-max from the same noise for the same row and step (`rollout.sample_step`): two samplers' completions
+agree until the first position where their distributions move the argmax, so the difference of their
+updates, ρ − 1 = ⟨ḡ_μ − ḡ_π, ḡ_π⟩ / ‖ḡ_π‖², has noise only from the rows that split, noise that shrinks with
+the dose. Two fp32 samplers give the floors: `fp32_kernel`, π's weights and seeds under another attention
+kernel (transformers' SDPA instead of the engines' decode attention: rounding-level differences, coupled),
+and `fp32_replicate`, π's weights and kernels on another seed stream: the uncoupled noise floor. ρ
+measured against the replicate's batches (instead of π's coupled batches) is the uncoupled estimate at the
+same number of completions.
 
     python -m labutils.update_direction        # results/long/05c_update_direction.json (make direction)
 """
@@ -40,13 +44,14 @@ from .mismatch_rl import TIS_CLIP
 
 
 RUN = committed.Run("05c_update_direction", module="update_direction", make="make direction")
-SAMPLERS = ("fp32_replicate", "fp16", "bf16", "fp8", "m5", "m4", "m3", "m2")
+SAMPLERS = ("fp32_kernel", "fp32_replicate", "fp16", "bf16", "fp8", "m5", "m4", "m3", "m2")
+FLOORS = ("fp32_kernel", "fp32_replicate")  # fp32 samplers: no correction to apply, no dose to speak of
 CORRECTIONS = ("none", *sampling_correction.MODES, "tis")
-PLAN = {"prompts": 12, "group": 8, "length": 24, "blocks": 2, "sketch": 2 ** 19, "seed": 5000,
+PLAN = {"prompts": 6, "group": 8, "length": 24, "blocks": 2, "sketch": 2 ** 19, "seed": 5000,
         "samplers": SAMPLERS, "corrections": CORRECTIONS, "tis_clip": TIS_CLIP,
         # pre-registered before the main run: the smallest loss of direction that matters, the test's level,
         # the dose the paper's bf16 reaches at 1K tokens (chapter 4b: 1.7 nats per 1K tokens), and the budget
-        "smallest_drop": 0.05, "alpha": 0.05, "paper_dose": 1.7, "pilot_prompts": 4, "pilot_batches": 3,
+        "smallest_drop": 0.05, "alpha": 0.05, "paper_dose": 1.7, "pilot_prompts": 4, "pilot_batches": 6,
         "budget_minutes": 40}
 REPLICATE_SEED = 10 ** 6  # the replicate's seed stream starts this far from π's
 
@@ -147,9 +152,11 @@ def run_batches(model, tokenizer, plan: dict, batches: int, prompts: int, first_
     where the next batch would not end within them (at least 3; the clock decides, never the results)."""
     trainer = Trainer(model, plan["blocks"], plan["sketch"], plan["seed"])
     names = ("fp32", *plan["samplers"])
-    engines = {name: sampler_precision.engine(model, "fp32" if name == "fp32_replicate" else name) for name in names}
-    kept = {name: {"sketch": {}, "dose": [], "dose_by_position": [], "reward": [], "seq_log_ratio": [], "cut": {}}
-            for name in names}
+    engines = {name: sampler_precision.engine(model, "fp32" if name in FLOORS else name) for name in names}
+    if "fp32_kernel" in engines:
+        engines["fp32_kernel"].model.set_attn_implementation("sdpa")
+    kept = {name: {"sketch": {}, "dose": [], "dose_by_position": [], "reward": [], "seq_log_ratio": [], "cut": {},
+                   "identical": []} for name in names}
     seconds = {name: 0.0 for name in names}
     began = time.time()
     for b in range(batches):
@@ -164,7 +171,10 @@ def run_batches(model, tokenizer, plan: dict, batches: int, prompts: int, first_
             started = time.time()
             seed = first_seed + b + (REPLICATE_SEED if name == "fp32_replicate" else 0)
             out = sample(engines[name], ids, plan["length"], seed)
-            corrections = plan["corrections"] if name not in ("fp32", "fp32_replicate") else ("none",)
+            if name == "fp32":
+                pi_ids = out.completion_ids
+            kept[name]["identical"].append((out.completion_ids == pi_ids).all(-1).float())  # rows that never split
+            corrections = plan["corrections"] if name != "fp32" and name not in FLOORS else ("none",)
             found = updates(trainer, out, answers, tokenizer, plan["group"], corrections)
             for key in ("dose", "dose_by_position", "reward", "seq_log_ratio"):
                 kept[name][key].append(found[key])
@@ -245,7 +255,9 @@ def analyse(found: dict, plan: dict) -> dict:
     for name, record in kept.items():
         dose, dose_se = _per_prompt_mean_se(record["dose"], plan["group"])
         reward, reward_se = _per_prompt_mean_se(record["reward"], plan["group"])
-        entry = {"dose": dose, "dose_se": dose_se, "reward": reward, "reward_se": reward_se, "corrections": {}}
+        identical = float(torch.cat(record["identical"]).mean())
+        entry = {"dose": dose, "dose_se": dose_se, "reward": reward, "reward_se": reward_se,
+                 "identical_share": identical, "corrections": {}}
         for correction, vectors in record["sketch"].items():
             stacked = torch.stack(vectors)
             measured = direction(stacked, pi) if name != "fp32" else {}
@@ -255,6 +267,10 @@ def analyse(found: dict, plan: dict) -> dict:
             measured["cut_share"] = sum(record["cut"][correction]) / len(record["cut"][correction])
             entry["corrections"][correction] = measured
         out["samplers"][name] = entry
+    if set(FLOORS) <= set(kept):  # what coupling buys at the floor: the uncoupled error over the coupled one
+        coupled = out["samplers"]["fp32_kernel"]["corrections"]["none"]["rho_se"]
+        uncoupled = out["samplers"]["fp32_replicate"]["corrections"]["none"]["rho_se"]
+        out["coupling_gain"] = uncoupled / coupled if coupled > 0 else float("inf")
     return out
 
 
