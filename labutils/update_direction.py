@@ -52,7 +52,7 @@ PLAN = {"prompts": 6, "group": 8, "length": 24, "blocks": 2, "sketch": 2 ** 19, 
         # pre-registered before the main run: the smallest loss of direction that matters, the test's level,
         # the dose the paper's bf16 reaches at 1K tokens (chapter 4b: 1.7 nats per 1K tokens), and the budget
         "smallest_drop": 0.05, "alpha": 0.05, "paper_dose": 1.7, "pilot_prompts": 4, "pilot_batches": 6,
-        "budget_minutes": 40}
+        "budget_minutes": 50}
 REPLICATE_SEED = 10 ** 6  # the replicate's seed stream starts this far from π's
 
 
