@@ -1,8 +1,8 @@
 """The long run behind chapter 5b's verdict, in three phases fixed before any run (`make long`):
 
-1. the regime, chosen on the fp32 control alone: a learning-rate sweep, then, with a margin, the next
-   stable rate below the largest one (the largest rate that passes a few seeds is the edge of stability),
-   kept only if fresh control seeds pass the same test there (else the next one down);
+1. the regime, chosen on the fp32 control alone: a learning-rate sweep, then the largest stable rate
+   kept only if as many fresh control seeds pass the same test there (the largest rate that passes a
+   few seeds may be the edge of stability), else the next stable one down;
 2. the dose–response at that regime: every dial setting, its score against its own token KL;
 3. the pre-registered fix comparison at the coarsest setting, with as many fresh seeds as the
    power asks for and the budget allows.
@@ -89,7 +89,7 @@ def run(target: Path | None = None, workers: int = 2, profile: Profile | None = 
             curves["sweep"].setdefault(f"{plan.lr:g}", []).append(result)
         sweep = {float(lr): rl_design.regime(c, L.eval_problems, L.min_gain) for lr, c in curves["sweep"].items()}
         chosen, validation = None, {}
-        for lr in rl_design.below_the_edge(sweep):  # then fresh control seeds must pass the same test there
+        for lr in rl_design.stable_rates(sweep):  # largest first, until fresh control seeds pass there too
             fresh = list(range(VALIDATION_SEED0, VALIDATION_SEED0 + L.sweep_seeds))
             done = _jobs(pool, profile, [(specs["fp32"], seed, dataclasses.replace(base, lr=lr)) for seed in fresh],
                          L.eval_problems, L.eval_every)
@@ -102,7 +102,7 @@ def run(target: Path | None = None, workers: int = 2, profile: Profile | None = 
         phases["sweep"] = time.perf_counter() - start
         print(f"sweep: {({lr: s['stable'] for lr, s in sweep.items()})}; chosen lr {chosen}", flush=True)
         if chosen is None:
-            raise SystemExit("No learning rate below the sweep's largest stable one passed on fresh fp32 seeds "
+            raise SystemExit("No stable learning rate of the sweep passed again on fresh fp32 seeds "
                              f"({sweep}, {validation}): add smaller rates to `lrs` in the cpu profile's long plan.")
         plan = dataclasses.replace(base, lr=chosen)
         # 2. the dose–response at the chosen regime; its fp32 arm is the sweep's seeds at that rate

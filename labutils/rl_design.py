@@ -46,12 +46,11 @@ def regime(curves: list[dict], problems: int, min_gain: float) -> dict:
             "seeds": len(curves), "gains": gains, "stable": improved == len(curves) and min(dips) >= -limit}
 
 
-def below_the_edge(sweep: dict[float, dict]) -> list[float]:
-    """The stable learning rates of a sweep below its largest stable one, largest first. The largest rate
-    that passes a few seeds is the edge of stability (fresh seeds at it fail about as often as they pass),
-    so the regime is taken one stable rate below it, and checked again on fresh seeds."""
-    stable = sorted((lr for lr, found in sweep.items() if found["stable"]), reverse=True)
-    return stable[1:]
+def stable_rates(sweep: dict[float, dict]) -> list[float]:
+    """The learning rates of a sweep whose `regime` is stable, largest first: the candidates, in the order
+    in which fresh seeds check them. The largest rate that passes on a few seeds may sit at the edge of
+    stability, where fresh seeds fail about as often as they pass; a second set of seeds is the margin."""
+    return sorted((lr for lr, found in sweep.items() if found["stable"]), reverse=True)
 
 
 def paired_power(effect: float, sd_diff: float, seeds: int, level: float = LEVEL) -> float:
