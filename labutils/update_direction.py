@@ -270,7 +270,8 @@ def analyse(found: dict, plan: dict) -> dict:
     if set(FLOORS) <= set(kept):  # what coupling buys at the floor: the uncoupled error over the coupled one
         coupled = out["samplers"]["fp32_kernel"]["corrections"]["none"]["rho_se"]
         uncoupled = out["samplers"]["fp32_replicate"]["corrections"]["none"]["rho_se"]
-        out["coupling_gain"] = uncoupled / coupled if coupled > 0 else float("inf")
+        # None where no coupled row split: the two updates are the same vectors and the error is exactly 0
+        out["coupling_gain"] = uncoupled / coupled if coupled > 0 else None
     return out
 
 

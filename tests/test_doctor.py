@@ -126,8 +126,8 @@ def test_the_books_measurements_are_read_from_its_cpu_build_and_committed_run(tm
     (build / "04b_real_mismatch.json").write_text(json.dumps({"profile": "cpu", "env": env, "metrics": metrics}))
     committed = tmp_path / "real_rl.json"
     committed.write_text(json.dumps({"provenance": {"model": f"{pretrained.NAME}-0123"},
-                                     "plan": {"probe_sequences": 32, "max_new_tokens": 12},
-                                     "growth": {"bf16_bf16": {"start": 3e-3, "start_se": 2e-4, "seeds": 1}}}))
+                                     "chosen": {"probe_sequences": 4, "max_new_tokens": 12},
+                                     "runs": {"bf16_bf16": [{"probe_mismatch": [[2e-3, 4e-3, 3e-3, 3e-3]]}]}}))
     monkeypatch.setattr(book_measurements, "BUILD", build)
     monkeypatch.setattr(book_measurements, "COMMITTED_RL", committed)
     monkeypatch.setattr(cross_engine, "load", lambda plan=None: (None, "no committed run"))
