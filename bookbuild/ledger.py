@@ -460,12 +460,14 @@ def page(root: Path) -> str:
         rows.append([entry["number"], verdict_markup(entry["verdict"]), said, measured, link])
     counts = Counter(entry["verdict"].split(" (")[0].replace("–", "without results in this build")
                      for entry in found)
-    cpu = load_all(root / "_build" / "results")
-    versions = next(iter(cpu.values()))["env"] if cpu else {}
+    built = load_all(root / "_build" / "results")
+    versions = next(iter(built.values()))["env"] if built else {}
+    profiles = sorted({r.get("profile", "?") for r in built.values()}) or ["no"]
     return "\n".join([
         "# Claims ledger", "",
         "Every quantitative or technical claim of the two source articles, and of the papers behind them, "
-        "that this book checks. The *measured* column is read from this build's results files (`cpu` profile, "
+        "that this book checks. The *measured* column is read from this build's results files "
+        f"({' and '.join(f'`{p}`' for p in profiles)} profile, "
         f"{versions.get('device_name', 'unknown device')}, torch {versions.get('torch', '?')}, trl "
         f"{versions.get('trl', '?')}); GPU measurements, where shown, from committed reference runs in `results/gpu/`. "
         "Each verdict is computed from the chapter's own measurement and its noise: *confirmed* or *contradicted* "

@@ -294,18 +294,21 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         mismatch=replace(gpu.mismatch, sequences=256),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
-        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024),
+        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024),
     )
 
 
+FULL_SIZE_GPU_BYTES = 70 * 2**30  # below it "auto" takes the trimmed gpu sizes (an 80 GB card shows about 79 GiB)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 arithmetic, which the chapters compare
 
 
 def resolve(profile: str) -> Profile:
     """Turn a chapter's `profile` parameter into a Profile.
 
-    "auto" is "gpu" on any CUDA GPU, else "cpu". A GPU below compute capability 8.0 (a T4, a V100)
-    has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
+    "auto" is "gpu" on any CUDA GPU, else "cpu". The gpu profile's sizes were set for an 80-141 GB card;
+    on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes `make gpu-check`'s trimmed sizes
+    (`gpu_trimmed`), which fit its memory and a free runtime's hours; "gpu" keeps the full sizes. A GPU
+    below compute capability 8.0 (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
     bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
     (`check_parameters(..., bf16_parts=...)`).
     """
@@ -322,10 +325,12 @@ def resolve(profile: str) -> Profile:
     if profile == "gpu" and not torch.cuda.is_available():
         raise ValueError("profile='gpu' needs a CUDA GPU and this machine has none; "
                          "use profile='cpu' (or 'auto', which picks it here).")
+    small_card = False
     if profile == "auto":
         profile = "gpu" if torch.cuda.is_available() else "cpu"
+        small_card = profile == "gpu" and torch.cuda.get_device_properties(0).total_memory < FULL_SIZE_GPU_BYTES
     chosen = PROFILES[profile]
-    if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
+    if profile == "gpu" and (os.environ.get(GPU_TRIMMED) == "1" or small_card):
         chosen = gpu_trimmed(chosen)
     if profile == "gpu" and torch.cuda.get_device_capability() < BF16_MIN_CAPABILITY:
         # bf16 attention with a mask takes PyTorch's math kernel there, whose scores grow with length²:

@@ -314,3 +314,11 @@ def test_the_gpu_workflow_brings_cuda_caches_and_uploads_whatever_completed():
     assert any("build_html" in step.get("run", "") for step in after)
     upload = next(step for step in after if step.get("uses", "").startswith("actions/upload-artifact"))
     assert "_build/results" in upload["with"]["path"] and "_build/html" in upload["with"]["path"]
+
+
+def test_no_profile_samples_fp16_and_fp32_longer_than_bf16():
+    # chapter 4b's paired ratio compares the first tokens they share: the short length must not exceed the long one
+    gpu = profiles.PROFILES["gpu"]
+    for name, profile in (*profiles.PROFILES.items(), ("gpu_trimmed", profiles.gpu_trimmed(gpu)),
+                          *((chapter, gpu_check.trimmed(chapter, gpu)) for chapter in ("04b_real_mismatch",))):
+        assert profile.real.short_length <= profile.real.length, name

@@ -45,6 +45,26 @@ def test_gpu_profile_without_cuda_is_refused(monkeypatch):
     assert profiles.resolve("auto").name == "cpu"
 
 
+@pytest.mark.parametrize("gib, capability, trimmed", [(15, (7, 5), True), (22, (8, 9), True), (40, (8, 0), True),
+                                                   (79, (9, 0), False), (139, (9, 0), False)])
+def test_auto_takes_the_trimmed_gpu_sizes_on_a_card_smaller_than_the_gpu_profile_was_sized_for(
+        monkeypatch, gib, capability, trimmed):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=gib * 2**30))
+    monkeypatch.delenv(profiles.GPU_TRIMMED, raising=False)
+    gpu = profiles.PROFILES["gpu"]
+    auto = profiles.resolve("auto")
+    expected = profiles.gpu_trimmed(gpu) if trimmed else gpu
+    assert auto.name == "gpu" and auto.mismatch.sequences == expected.mismatch.sequences
+    assert auto.real.length == expected.real.length and auto.bf16_native == (capability >= (8, 0))
+    assert profiles.resolve("gpu").mismatch.sequences == gpu.mismatch.sequences  # asked for by name: full sizes
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"seed": -1}, "seed=-1"), ({"seed": "0"}, "seed='0'"), ({"seed": 0, "model_id": ""}, "model_id"),
     ({"seed": 0, "steps": 0}, "steps=0"),
