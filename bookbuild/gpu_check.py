@@ -508,6 +508,38 @@ def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str,
                    "host_gib": round((HOST_BASE + host) / GIB, 1)} for stem, (gpu, scores, host) in need.items()}
 
 
+# per chapter, the profile value that sets its largest GPU allocation: what a reader lowers where it does not fit
+KNOBS = {"00_lab": ("warmup", "batch_size"), "02_qlora_crash": ("real", "fix_batch"),
+         "03_loss_scaling": ("grpo", "batch_size"), "04_mismatch": ("mismatch", "sequences"),
+         "04b_real_mismatch": ("real", "sample_batch"), "05_grpo_precision": ("real_rl", "prompts_per_step"),
+         "05b_sampler_precision": ("real", "dial_sequences"), "06_moe": ("routing", "sequences"),
+         "07_lora": ("real", "probe_sequences"), "08_sensitive_ops": ("task", "max_walk"),
+         "10_scaling_out": ("rl", "batch_size")}
+
+
+def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> str | None:
+    """Before any work: raise MemoryError, in one sentence naming the profile value to lower, where the chapter's
+    computed peak GPU memory (`memory_estimate`) exceeds what the GPU has free even if attention takes a fused
+    kernel; return a warning where it fits only if attention takes one (else None)."""
+    if free_bytes is None:
+        import torch
+
+        free_bytes = torch.cuda.mem_get_info()[0]
+    fused = memory_estimate(profile, math_attention=False)[chapter]["gpu_gib"] * GIB
+    math = memory_estimate(profile, math_attention=True)[chapter]["gpu_gib"] * GIB
+    part, field = KNOBS.get(chapter, (None, None))
+    lower = (f"lower `{part}.{field}` (now {getattr(getattr(profile, part), field)}) in its profile"
+             if part else "free the GPU of other processes")
+    said = (f"{chapter} needs about {{:.1f}} GiB of GPU memory at the `{profile.name}` profile's sizes and the GPU "
+            f"has {free_bytes / GIB:.1f} GiB free")
+    if fused > free_bytes:
+        raise MemoryError(said.format(fused / GIB) + f": {lower}, or run it where more is free.")
+    if math > free_bytes:
+        return (said.format(math / GIB) + " if attention takes PyTorch's math kernel (a fused kernel needs "
+                f"{fused / GIB:.1f}); if it runs out of memory, {lower}.")
+    return None
+
+
 def provenance(trimmed) -> dict:
     """Which GPU, driver, CUDA and libraries, and the trimmed parameters, for every results file of this run."""
     import torch

@@ -294,7 +294,10 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         mismatch=replace(gpu.mismatch, sequences=256),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
-        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024),
+        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024,
+                     probe_sequences=8),
+        # 4 prompts of 8 completions a step: chapter 5's real-model training fits a 15 GB card
+        real_rl=replace(gpu.real_rl, steps=50, prompts_per_step=4, seeds=1),
     )
 
 
@@ -356,10 +359,17 @@ def check_parameters(profile: str, seed: int, **optional) -> Profile:
     """Validate a chapter's parameters cell and resolve its profile; one clear sentence on a bad value.
 
     `optional` may carry `model_id` (None, a local directory or a hub id), `steps` (None -> the
-    profile's, else a positive int) and `bf16_parts` (what of the chapter runs in bf16, for the
-    sentence a GPU without bf16 arithmetic gets).
+    profile's, else a positive int), `bf16_parts` (what of the chapter runs in bf16, for the
+    sentence a GPU without bf16 arithmetic gets) and `chapter` (its stem: on a GPU, its computed peak
+    memory is checked against the memory free before any work, `bookbuild.gpu_check.refuse_if_too_big`).
     """
     chosen = resolve(profile)
+    if chosen.device == "cuda" and optional.get("chapter"):
+        from bookbuild import gpu_check
+
+        warning = gpu_check.refuse_if_too_big(optional["chapter"], chosen)
+        if warning:
+            print(warning)
     note = bf16_note(chosen, optional.get("bf16_parts") or "its bf16 parts")
     if note:
         print(note)

@@ -24,11 +24,15 @@ def test_profiles_resolve_and_reject():
     ((7, 5), "Tesla T4", False), ((7, 0), "Tesla V100", False), ((8, 9), "NVIDIA L4", True), ((9, 0), "NVIDIA H100", True),
 ])
 def test_auto_picks_the_gpu_everywhere_and_says_where_bf16_is_emulated(monkeypatch, capsys, capability, name, native):
+    import types
+
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(total_memory=80 * 2**30, name=name))
     chosen = profiles.check_parameters("auto", 0, bf16_parts="the bf16 engines")
     assert (chosen.name, chosen.device, chosen.bf16_native) == ("gpu", "cuda", native)
     said = capsys.readouterr().out
@@ -55,7 +59,7 @@ def test_auto_takes_the_trimmed_gpu_sizes_on_a_card_smaller_than_the_gpu_profile
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=gib * 2**30, name="a GPU"))
     monkeypatch.delenv(profiles.GPU_TRIMMED, raising=False)
     gpu = profiles.PROFILES["gpu"]
     auto = profiles.resolve("auto")
