@@ -357,7 +357,7 @@ def _cpu_speed(m) -> str:
     fp16 = m("04b_real_mismatch:perf.real.forward_tokens_per_s.fp16")
     ratio = bf16 / fp16
     return (f"a plain forward of the real model ran {ratio:.1f}× {'slower' if ratio > 1 else 'faster'} in fp16 "
-            f"than in bf16 on this CPU ({fp16:.0f} against {bf16:.0f} tokens per second)")
+            f"than in bf16 in this build ({fp16:.0f} against {bf16:.0f} tokens per second)")
 
 
 CAST_TRAINABLES = """for p in trainer.model.parameters():

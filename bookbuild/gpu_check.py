@@ -520,23 +520,30 @@ KNOBS = {"00_lab": ("warmup", "batch_size"), "02_qlora_crash": ("real", "fix_bat
 def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> str | None:
     """Before any work: raise MemoryError, in one sentence naming the profile value to lower, where the chapter's
     computed peak GPU memory (`memory_estimate`) exceeds what the GPU has free even if attention takes a fused
-    kernel; return a warning where it fits only if attention takes one (else None)."""
+    kernel; return a warning where it fits only if attention takes one (else None). Free memory counts what this
+    process's caching allocator holds unused (a second "Run all" in the same kernel)."""
     if free_bytes is None:
         import torch
 
-        free_bytes = torch.cuda.mem_get_info()[0]
+        free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     fused = memory_estimate(profile, math_attention=False)[chapter]["gpu_gib"] * GIB
     math = memory_estimate(profile, math_attention=True)[chapter]["gpu_gib"] * GIB
-    part, field = KNOBS.get(chapter, (None, None))
-    lower = (f"lower `{part}.{field}` (now {getattr(getattr(profile, part), field)}) in its profile"
-             if part else "free the GPU of other processes")
+
+    def lower(part, field):
+        if part is None:
+            return "free the GPU of other processes"
+        return (f"lower `{part}.{field}` (now {getattr(getattr(profile, part), field)}) in labutils/profiles.py's "
+                f"`{profile.name}` profile")
+
     said = (f"{chapter} needs about {{:.1f}} GiB of GPU memory at the `{profile.name}` profile's sizes and the GPU "
             f"has {free_bytes / GIB:.1f} GiB free")
     if fused > free_bytes:
-        raise MemoryError(said.format(fused / GIB) + f": {lower}, or run it where more is free.")
-    if math > free_bytes:
+        return_to = ' (profile="auto" takes smaller sizes on a card below 70 GiB)' if profile.name == "gpu" else ""
+        raise MemoryError(said.format(fused / GIB) + f": {lower(*KNOBS.get(chapter, (None, None)))}"
+                          f"{return_to}, or run it where more is free.")
+    if math > free_bytes:  # the math kernel's scores grow with the micro-batch, not with the sequences
         return (said.format(math / GIB) + " if attention takes PyTorch's math kernel (a fused kernel needs "
-                f"{fused / GIB:.1f}); if it runs out of memory, {lower}.")
+                f"{fused / GIB:.1f}); if it runs out of memory, {lower('mismatch', 'micro_batch')}.")
     return None
 
 

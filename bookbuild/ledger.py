@@ -176,7 +176,7 @@ def _about_24(ratio, low, high):
     135M model on this CPU's kernels is the nearest measurement here, shown beside it, and cannot decide it."""
     direction = ("fp16 cuts the mismatch here too" if low > 1 else
                  "fp16 does not cut the mismatch here" if high < 1 else "no direction beyond the interval here")
-    measured = (f"SmolLM2-135M on this CPU's kernels, both engines in one precision: token KL bf16 / fp16 {ratio:.0f}× "
+    measured = (f"SmolLM2-135M on this build's kernels, both engines in one precision: token KL bf16 / fp16 {ratio:.0f}× "
                 f"(95% interval over paired prompts {low:.0f}–{high:.0f}); a first-order argument gives 8² = 64× per "
                 "token, and the paper's own two figures give 14× (slopes) and 24× (sequence KLs)")
     return measured, (f"{NOT_COMPARABLE} ({direction}; the factor depends on the model, the kernels and the text's "

@@ -309,8 +309,9 @@ def resolve(profile: str) -> Profile:
     """Turn a chapter's `profile` parameter into a Profile.
 
     "auto" is "gpu" on any CUDA GPU, else "cpu". The gpu profile's sizes were set for an 80-141 GB card;
-    on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes `make gpu-check`'s trimmed sizes
-    (`gpu_trimmed`), which fit its memory and a free runtime's hours; "gpu" keeps the full sizes. A GPU
+    on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes the trimmed sizes (`gpu_trimmed`,
+    which every chapter's computed peak fits on a 15 GB T4) and sets GPU_TRIMMED, so that the processes a
+    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU
     below compute capability 8.0 (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
     bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
     (`check_parameters(..., bf16_parts=...)`).
@@ -333,7 +334,9 @@ def resolve(profile: str) -> Profile:
         profile = "gpu" if torch.cuda.is_available() else "cpu"
         small_card = profile == "gpu" and torch.cuda.get_device_properties(0).total_memory < FULL_SIZE_GPU_BYTES
     chosen = PROFILES[profile]
-    if profile == "gpu" and (os.environ.get(GPU_TRIMMED) == "1" or small_card):
+    if small_card:  # the processes a chapter starts resolve "gpu": they must take the same sizes
+        os.environ[GPU_TRIMMED] = "1"
+    if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
         chosen = gpu_trimmed(chosen)
     if profile == "gpu" and torch.cuda.get_device_capability() < BF16_MIN_CAPABILITY:
         # bf16 attention with a mask takes PyTorch's math kernel there, whose scores grow with length²:

@@ -60,13 +60,16 @@ def test_auto_takes_the_trimmed_gpu_sizes_on_a_card_smaller_than_the_gpu_profile
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=gib * 2**30, name="a GPU"))
-    monkeypatch.delenv(profiles.GPU_TRIMMED, raising=False)
+    monkeypatch.setenv(profiles.GPU_TRIMMED, "0")  # auto sets it on a small card; restored afterwards
     gpu = profiles.PROFILES["gpu"]
     auto = profiles.resolve("auto")
     expected = profiles.gpu_trimmed(gpu) if trimmed else gpu
     assert auto.name == "gpu" and auto.mismatch.sequences == expected.mismatch.sequences
     assert auto.real.length == expected.real.length and auto.bf16_native == (capability >= (8, 0))
-    assert profiles.resolve("gpu").mismatch.sequences == gpu.mismatch.sequences  # asked for by name: full sizes
+    # a process the chapter starts resolves "gpu" and takes the same sizes
+    assert profiles.resolve("gpu").mismatch.sequences == expected.mismatch.sequences
+    monkeypatch.setenv(profiles.GPU_TRIMMED, "0")
+    assert profiles.resolve("gpu").mismatch.sequences == gpu.mismatch.sequences  # by name alone: full sizes
 
 
 @pytest.mark.parametrize("kwargs, message", [
