@@ -357,7 +357,7 @@ def _cpu_speed(m) -> str:
     fp16 = m("04b_real_mismatch:perf.real.forward_tokens_per_s.fp16")
     ratio = bf16 / fp16
     return (f"a plain forward of the real model ran {ratio:.1f}× {'slower' if ratio > 1 else 'faster'} in fp16 "
-            f"than in bf16 on this CPU ({fp16:.0f} against {bf16:.0f} tokens per second)")
+            f"than in bf16 in this build ({fp16:.0f} against {bf16:.0f} tokens per second)")
 
 
 CAST_TRAINABLES = """for p in trainer.model.parameters():
@@ -584,7 +584,7 @@ ONEDNN_MAX_CPU_ISA=AVX512_CORE python train.py  # or AVX2""", lang="bash"),),
                   lambda m: (f"the trainer's oneDNN against ATen kernels, same weights: token KL "
                              f"{_sci(m('04b_real_mismatch:kernels.trainer_onednn_vs_aten_token_kl'))}, against the "
                              f"engines' {_sci(m('04b_real_mismatch:kernels.sampler_vs_trainer_token_kl'))}")),
-         Evidence("04b_real_mismatch", "Speed on this CPU: sampling against a plain forward", SHOWN, _cpu_speed)),
+         Evidence("04b_real_mismatch", "Speed: sampling against a plain forward", SHOWN, _cpu_speed)),
     ),
 ]
 CARD = {f.key: i for i, f in enumerate(FINDINGS, 1)}  # each situation's card number

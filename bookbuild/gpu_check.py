@@ -508,6 +508,45 @@ def memory_estimate(profile, math_attention: bool = True) -> dict[str, dict[str,
                    "host_gib": round((HOST_BASE + host) / GIB, 1)} for stem, (gpu, scores, host) in need.items()}
 
 
+# per chapter, the profile value that sets its largest GPU allocation: what a reader lowers where it does not fit
+KNOBS = {"00_lab": ("warmup", "batch_size"), "02_qlora_crash": ("real", "fix_batch"),
+         "03_loss_scaling": ("grpo", "batch_size"), "04_mismatch": ("mismatch", "sequences"),
+         "04b_real_mismatch": ("real", "sample_batch"), "05_grpo_precision": ("real_rl", "prompts_per_step"),
+         "05b_sampler_precision": ("real", "dial_sequences"), "06_moe": ("routing", "sequences"),
+         "07_lora": ("real", "probe_sequences"), "08_sensitive_ops": ("task", "max_walk"),
+         "10_scaling_out": ("rl", "batch_size")}
+
+
+def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> str | None:
+    """Before any work: raise MemoryError, in one sentence naming the profile value to lower, where the chapter's
+    computed peak GPU memory (`memory_estimate`) exceeds what the GPU has free even if attention takes a fused
+    kernel; return a warning where it fits only if attention takes one (else None). Free memory counts what this
+    process's caching allocator holds unused (a second "Run all" in the same kernel)."""
+    if free_bytes is None:
+        import torch
+
+        free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    fused = memory_estimate(profile, math_attention=False)[chapter]["gpu_gib"] * GIB
+    math = memory_estimate(profile, math_attention=True)[chapter]["gpu_gib"] * GIB
+
+    def lower(part, field):
+        if part is None:
+            return "free the GPU of other processes"
+        return (f"lower `{part}.{field}` (now {getattr(getattr(profile, part), field)}) in labutils/profiles.py's "
+                f"`{profile.name}` profile")
+
+    said = (f"{chapter} needs about {{:.1f}} GiB of GPU memory at the `{profile.name}` profile's sizes and the GPU "
+            f"has {free_bytes / GIB:.1f} GiB free")
+    if fused > free_bytes:
+        return_to = ' (profile="auto" takes smaller sizes on a card below 70 GiB)' if profile.name == "gpu" else ""
+        raise MemoryError(said.format(fused / GIB) + f": {lower(*KNOBS.get(chapter, (None, None)))}"
+                          f"{return_to}, or run it where more is free.")
+    if math > free_bytes:  # the math kernel's scores grow with the micro-batch, not with the sequences
+        return (said.format(math / GIB) + " if attention takes PyTorch's math kernel (a fused kernel needs "
+                f"{fused / GIB:.1f}); if it runs out of memory, {lower('mismatch', 'micro_batch')}.")
+    return None
+
+
 def provenance(trimmed) -> dict:
     """Which GPU, driver, CUDA and libraries, and the trimmed parameters, for every results file of this run."""
     import torch

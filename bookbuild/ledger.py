@@ -176,7 +176,7 @@ def _about_24(ratio, low, high):
     135M model on this CPU's kernels is the nearest measurement here, shown beside it, and cannot decide it."""
     direction = ("fp16 cuts the mismatch here too" if low > 1 else
                  "fp16 does not cut the mismatch here" if high < 1 else "no direction beyond the interval here")
-    measured = (f"SmolLM2-135M on this CPU's kernels, both engines in one precision: token KL bf16 / fp16 {ratio:.0f}× "
+    measured = (f"SmolLM2-135M on this build's kernels, both engines in one precision: token KL bf16 / fp16 {ratio:.0f}× "
                 f"(95% interval over paired prompts {low:.0f}–{high:.0f}); a first-order argument gives 8² = 64× per "
                 "token, and the paper's own two figures give 14× (slopes) and 24× (sequence KLs)")
     return measured, (f"{NOT_COMPARABLE} ({direction}; the factor depends on the model, the kernels and the text's "
@@ -460,12 +460,14 @@ def page(root: Path) -> str:
         rows.append([entry["number"], verdict_markup(entry["verdict"]), said, measured, link])
     counts = Counter(entry["verdict"].split(" (")[0].replace("–", "without results in this build")
                      for entry in found)
-    cpu = load_all(root / "_build" / "results")
-    versions = next(iter(cpu.values()))["env"] if cpu else {}
+    built = load_all(root / "_build" / "results")
+    versions = next(iter(built.values()))["env"] if built else {}
+    profiles = sorted({r.get("profile", "?") for r in built.values()}) or ["no"]
     return "\n".join([
         "# Claims ledger", "",
         "Every quantitative or technical claim of the two source articles, and of the papers behind them, "
-        "that this book checks. The *measured* column is read from this build's results files (`cpu` profile, "
+        "that this book checks. The *measured* column is read from this build's results files "
+        f"({' and '.join(f'`{p}`' for p in profiles)} profile, "
         f"{versions.get('device_name', 'unknown device')}, torch {versions.get('torch', '?')}, trl "
         f"{versions.get('trl', '?')}); GPU measurements, where shown, from committed reference runs in `results/gpu/`. "
         "Each verdict is computed from the chapter's own measurement and its noise: *confirmed* or *contradicted* "

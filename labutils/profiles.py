@@ -294,18 +294,25 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         mismatch=replace(gpu.mismatch, sequences=256),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
-        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024),
+        real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024,
+                     probe_sequences=8),
+        # 4 prompts of 8 completions a step: chapter 5's real-model training fits a 15 GB card
+        real_rl=replace(gpu.real_rl, steps=50, prompts_per_step=4, seeds=1),
     )
 
 
+FULL_SIZE_GPU_BYTES = 70 * 2**30  # below it "auto" takes the trimmed gpu sizes (an 80 GB card shows about 79 GiB)
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first GPUs with bf16 arithmetic, which the chapters compare
 
 
 def resolve(profile: str) -> Profile:
     """Turn a chapter's `profile` parameter into a Profile.
 
-    "auto" is "gpu" on any CUDA GPU, else "cpu". A GPU below compute capability 8.0 (a T4, a V100)
-    has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
+    "auto" is "gpu" on any CUDA GPU, else "cpu". The gpu profile's sizes were set for an 80-141 GB card;
+    on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes the trimmed sizes (`gpu_trimmed`,
+    which every chapter's computed peak fits on a 15 GB T4) and sets GPU_TRIMMED, so that the processes a
+    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU
+    below compute capability 8.0 (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
     bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
     (`check_parameters(..., bf16_parts=...)`).
     """
@@ -322,9 +329,13 @@ def resolve(profile: str) -> Profile:
     if profile == "gpu" and not torch.cuda.is_available():
         raise ValueError("profile='gpu' needs a CUDA GPU and this machine has none; "
                          "use profile='cpu' (or 'auto', which picks it here).")
+    small_card = False
     if profile == "auto":
         profile = "gpu" if torch.cuda.is_available() else "cpu"
+        small_card = profile == "gpu" and torch.cuda.get_device_properties(0).total_memory < FULL_SIZE_GPU_BYTES
     chosen = PROFILES[profile]
+    if small_card:  # the processes a chapter starts resolve "gpu": they must take the same sizes
+        os.environ[GPU_TRIMMED] = "1"
     if profile == "gpu" and os.environ.get(GPU_TRIMMED) == "1":
         chosen = gpu_trimmed(chosen)
     if profile == "gpu" and torch.cuda.get_device_capability() < BF16_MIN_CAPABILITY:
@@ -351,10 +362,17 @@ def check_parameters(profile: str, seed: int, **optional) -> Profile:
     """Validate a chapter's parameters cell and resolve its profile; one clear sentence on a bad value.
 
     `optional` may carry `model_id` (None, a local directory or a hub id), `steps` (None -> the
-    profile's, else a positive int) and `bf16_parts` (what of the chapter runs in bf16, for the
-    sentence a GPU without bf16 arithmetic gets).
+    profile's, else a positive int), `bf16_parts` (what of the chapter runs in bf16, for the
+    sentence a GPU without bf16 arithmetic gets) and `chapter` (its stem: on a GPU, its computed peak
+    memory is checked against the memory free before any work, `bookbuild.gpu_check.refuse_if_too_big`).
     """
     chosen = resolve(profile)
+    if chosen.device == "cuda" and optional.get("chapter"):
+        from bookbuild import gpu_check
+
+        warning = gpu_check.refuse_if_too_big(optional["chapter"], chosen)
+        if warning:
+            print(warning)
     note = bf16_note(chosen, optional.get("bf16_parts") or "its bf16 parts")
     if note:
         print(note)

@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import subprocess
+from pathlib import Path
 
 import jupytext
 import pytest
@@ -184,3 +185,56 @@ def test_colab_notebooks_are_written_into_the_book_or_not_at_all(tmp_path, no_re
     written = pipeline.write_colab_notebooks(tmp_path)
     assert [p.relative_to(tmp_path).as_posix() for p in written] == [
         f"colab/chapters/{stem}.ipynb" for stem in pipeline.chapters()]
+
+
+def test_a_chapter_runs_all_in_a_fresh_python_that_the_install_cell_sets_up_from_a_clone(tmp_path, monkeypatch):
+    """Colab as a reader meets it: a Python that has the libraries but not the book; the install cell clones
+    the book (from this checkout, standing in for GitHub), installs it as on Colab, and "Run all" then runs
+    a chapter with cells meant to fail to its end."""
+    import importlib.metadata
+    import json
+    import site
+    import venv
+
+    import nbclient
+
+    if subprocess.run(["git", "-C", str(pipeline.ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("this checkout is not a git repository: the install cell has nothing to clone")
+    head = subprocess.run(["git", "-C", str(pipeline.ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    fresh = tmp_path / "colab"
+    venv.EnvBuilder(with_pip=True).create(fresh)
+    python = fresh / "bin" / "python"
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    # Colab's preinstalled libraries: this environment's, on the path but not read as a site (so the book's
+    # own editable install does not come along: `labutils` is missing until the cell installs it)
+    (Path(purelib) / "preinstalled.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({"argv": [str(python), "-m", "ipykernel_launcher", "-f",
+                                                           "{connection_file}"],
+                                                  "display_name": "Python 3", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    for name in ("PYTHONPATH", "VIRTUAL_ENV", "LAB_RESULTS_DIR", "LAB_PARTICIPANT"):
+        monkeypatch.delenv(name, raising=False)
+    repo = "someone/precision-lab"  # git fetches it from this checkout instead
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", f"url.{pipeline.ROOT}.insteadOf")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", f"https://github.com/{repo}")
+    versions = {name: importlib.metadata.version(name) for name in colab.PINNED}
+    nb = colab.notebook(pipeline.ROOT / "chapters" / "11_troubleshooting.md", repo, head, versions)
+    for cell in nb.cells:  # as Colab runs them: no tag lets a failing cell pass
+        cell.metadata.pop("tags", None)
+    work = tmp_path / "content"
+    work.mkdir()
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
+                            resources={"metadata": {"path": str(work)}}).execute()
+    clone = work / colab.CLONE
+    assert (clone / "_build" / "runs" / "mine" / "results" / "11_troubleshooting.json").is_file()  # a reader's run
+    installed = subprocess.run([python, "-c", "import labutils; print(labutils.__file__)"], capture_output=True,
+                               text=True, cwd=tmp_path).stdout
+    assert installed.startswith(str(fresh))  # the cell's install, not this checkout's
+    shown = [out for cell in nb.cells for out in cell.get("outputs", []) if out.output_type == "error"]
+    assert shown and all("get_ipython().run_cell(" in cell.source for cell in nb.cells
+                         if any(out.output_type == "error" for out in cell.get("outputs", [])))

@@ -308,9 +308,47 @@ def test_the_gpu_workflow_brings_cuda_caches_and_uploads_whatever_completed():
     cached = {step["with"]["path"] for step in steps if step.get("uses", "").startswith("actions/cache")}
     assert cached == {".venv", ".lab-cache", "_build"} and flow["env"]["LAB_CACHE"].endswith(".lab-cache")
     assert {name: flow["env"][name] for name in gpu_check.FP32_EXACT} == gpu_check.FP32_EXACT  # no TF32
-    execute = next(i for i, c in enumerate(commands) if "pipeline execute --profile gpu" in c)
+    execute = next(i for i, c in enumerate(commands) if "pipeline execute --profile auto" in c)
     after = steps[execute + 1:]
     assert after and all(step.get("if") == "${{ always() }}" for step in after)  # HTML and upload after a failure
     assert any("build_html" in step.get("run", "") for step in after)
     upload = next(step for step in after if step.get("uses", "").startswith("actions/upload-artifact"))
     assert "_build/results" in upload["with"]["path"] and "_build/html" in upload["with"]["path"]
+
+
+def test_no_profile_samples_fp16_and_fp32_longer_than_bf16():
+    # chapter 4b's paired ratio compares the first tokens they share: the short length must not exceed the long one
+    gpu = profiles.PROFILES["gpu"]
+    for name, profile in (*profiles.PROFILES.items(), ("gpu_trimmed", profiles.gpu_trimmed(gpu)),
+                          *((chapter, gpu_check.trimmed(chapter, gpu)) for chapter in ("04b_real_mismatch",))):
+        assert profile.real.short_length <= profile.real.length, name
+
+
+def test_a_chapter_that_cannot_fit_the_free_gpu_memory_is_refused_before_any_work(monkeypatch):
+    import types
+
+    import torch
+
+    gpu = profiles.PROFILES["gpu"]
+    fused = gpu_check.memory_estimate(gpu, math_attention=False)["04_mismatch"]["gpu_gib"] * gpu_check.GIB
+    math = gpu_check.memory_estimate(gpu, math_attention=True)["04_mismatch"]["gpu_gib"] * gpu_check.GIB
+    assert math > fused  # fp32 scoring with grouped-query attention may take the math kernel
+    with pytest.raises(MemoryError) as refused:
+        gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(fused / 2))
+    said = str(refused.value)
+    assert said.count(". ") == 0 and f"`mismatch.sequences` (now {gpu.mismatch.sequences})" in said
+    warned = gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int((fused + math) / 2))
+    assert "math kernel" in warned and "`mismatch.micro_batch`" in warned
+    assert gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(2 * math)) is None
+    assert set(gpu_check.KNOBS) <= set(gpu_check.memory_estimate(gpu))
+    # through the chapters' parameter check, as a T4 with 2 GiB free would meet it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=15 * 2**30, name="Tesla T4"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (2 * 2**30, 15 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 0)
+    monkeypatch.setenv(profiles.GPU_TRIMMED, "0")  # auto sets it on a small card; restored afterwards
+    with pytest.raises(MemoryError, match="04_mismatch needs about"):
+        profiles.check_parameters("auto", 0, chapter="04_mismatch")
+    assert profiles.check_parameters("auto", 0, chapter="01_number_formats").name == "gpu"

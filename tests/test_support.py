@@ -24,11 +24,15 @@ def test_profiles_resolve_and_reject():
     ((7, 5), "Tesla T4", False), ((7, 0), "Tesla V100", False), ((8, 9), "NVIDIA L4", True), ((9, 0), "NVIDIA H100", True),
 ])
 def test_auto_picks_the_gpu_everywhere_and_says_where_bf16_is_emulated(monkeypatch, capsys, capability, name, native):
+    import types
+
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a: types.SimpleNamespace(total_memory=80 * 2**30, name=name))
     chosen = profiles.check_parameters("auto", 0, bf16_parts="the bf16 engines")
     assert (chosen.name, chosen.device, chosen.bf16_native) == ("gpu", "cuda", native)
     said = capsys.readouterr().out
@@ -43,6 +47,29 @@ def test_gpu_profile_without_cuda_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="profile='gpu' needs a CUDA GPU"):
         profiles.resolve("gpu")
     assert profiles.resolve("auto").name == "cpu"
+
+
+@pytest.mark.parametrize("gib, capability, trimmed", [(15, (7, 5), True), (22, (8, 9), True), (40, (8, 0), True),
+                                                   (79, (9, 0), False), (139, (9, 0), False)])
+def test_auto_takes_the_trimmed_gpu_sizes_on_a_card_smaller_than_the_gpu_profile_was_sized_for(
+        monkeypatch, gib, capability, trimmed):
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: types.SimpleNamespace(total_memory=gib * 2**30, name="a GPU"))
+    monkeypatch.setenv(profiles.GPU_TRIMMED, "0")  # auto sets it on a small card; restored afterwards
+    gpu = profiles.PROFILES["gpu"]
+    auto = profiles.resolve("auto")
+    expected = profiles.gpu_trimmed(gpu) if trimmed else gpu
+    assert auto.name == "gpu" and auto.mismatch.sequences == expected.mismatch.sequences
+    assert auto.real.length == expected.real.length and auto.bf16_native == (capability >= (8, 0))
+    # a process the chapter starts resolves "gpu" and takes the same sizes
+    assert profiles.resolve("gpu").mismatch.sequences == expected.mismatch.sequences
+    monkeypatch.setenv(profiles.GPU_TRIMMED, "0")
+    assert profiles.resolve("gpu").mismatch.sequences == gpu.mismatch.sequences  # by name alone: full sizes
 
 
 @pytest.mark.parametrize("kwargs, message", [
