@@ -311,9 +311,9 @@ def resolve(profile: str) -> Profile:
     "auto" is "gpu" on any CUDA GPU, else "cpu". The gpu profile's sizes were set for an 80-141 GB card;
     on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes the trimmed sizes (`gpu_trimmed`,
     which every chapter's computed peak fits on a 15 GB T4) and sets GPU_TRIMMED, so that the processes a
-    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU
-    below compute capability 8.0 (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
-    bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
+    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU below compute capability 8.0
+    (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run
+    natively, and bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
     (`check_parameters(..., bf16_parts=...)`).
     """
     if profile not in VALID_PROFILES:
