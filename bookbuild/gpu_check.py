@@ -538,7 +538,10 @@ def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> s
     said = (f"{chapter} needs about {{:.1f}} GiB of GPU memory at the `{profile.name}` profile's sizes and the GPU "
             f"has {free_bytes / GIB:.1f} GiB free")
     if fused > free_bytes:
-        return_to = ' (profile="auto" takes smaller sizes on a card below 70 GiB)' if profile.name == "gpu" else ""
+        from labutils.profiles import FULL_SIZE_GPU_BYTES
+
+        return_to = (f' (profile="auto" takes smaller sizes on a card below {FULL_SIZE_GPU_BYTES // GIB} GiB)'
+                     if profile.name == "gpu" else "")
         raise MemoryError(said.format(fused / GIB) + f": {lower(*KNOBS.get(chapter, (None, None)))}"
                           f"{return_to}, or run it where more is free.")
     if math > free_bytes:  # the math kernel's scores grow with the micro-batch, not with the sequences
