@@ -363,16 +363,9 @@ def check_parameters(profile: str, seed: int, **optional) -> Profile:
 
     `optional` may carry `model_id` (None, a local directory or a hub id), `steps` (None -> the
     profile's, else a positive int), `bf16_parts` (what of the chapter runs in bf16, for the
-    sentence a GPU without bf16 arithmetic gets) and `chapter` (its stem: on a GPU, its computed peak
-    memory is checked against the memory free before any work, `bookbuild.gpu_check.refuse_if_too_big`).
+    sentence a GPU without bf16 arithmetic gets).
     """
     chosen = resolve(profile)
-    if chosen.device == "cuda" and optional.get("chapter"):
-        from bookbuild import gpu_check
-
-        warning = gpu_check.refuse_if_too_big(optional["chapter"], chosen)
-        if warning:
-            print(warning)
     note = bf16_note(chosen, optional.get("bf16_parts") or "its bf16 parts")
     if note:
         print(note)

@@ -36,6 +36,7 @@ CUDA_ONLY_HELPERS = {
     ("rollout.py", 'if kind == "cuda":'),  # engine_dtype's CUDA checks
     ("pretrained.py", 'if profile.device != "cuda":'),  # a GPU without the real model's wheel measures the toy
     ("launch.py", 'if profile.device != "cuda" or processes <= 1:'),  # one GPU per DDP process (tested below)
+    ("gpu_memory.py", 'if profile.device == "cuda":'),  # the chapter's peak against the free memory (test_gpu_check)
 }
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
 HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')
