@@ -9,6 +9,7 @@ import dataclasses
 
 
 L4_GIB, A100_GIB, T4_GIB = 22, 40, 14.6  # the cards readers rent: Colab's L4 and T4, a 40 GB A100 (usable GiB)
+COLAB_FREE_HOST_GB = 12.7  # the host memory of Colab's free T4 runtime, as its resource panel shows it
 GIB = 2**30
 
 
@@ -220,17 +221,31 @@ KNOBS = {"00_lab": ("warmup", "batch_size"), "02_qlora_crash": ("real", "fix_bat
          "10_scaling_out": ("rl", "batch_size")}
 
 
-def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> str | None:
+def host_available_bytes() -> int | None:
+    """The host memory the kernel can still take (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as info:
+            return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None,
+                      host_available: int | None = None) -> str | None:
     """Before any work: raise MemoryError, in one sentence naming the profile value to lower, where the chapter's
     computed peak GPU memory (`memory_estimate`) exceeds what the GPU has free even if attention takes a fused
-    kernel; return a warning where it fits only if attention takes one (else None). Free memory counts what this
+    kernel, or its host memory beyond a started kernel's exceeds what the machine has available; return a
+    warning where it fits only if attention takes a fused kernel (else None). Free GPU memory counts what this
     process's caching allocator holds unused (a second "Run all" in the same kernel)."""
     if free_bytes is None:
         import torch
 
         free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-    fused = memory_estimate(profile, math_attention=False)[chapter]["gpu_gib"] * GIB
+        host_available = host_available_bytes()
+    estimate = memory_estimate(profile, math_attention=False)[chapter]
+    fused = estimate["gpu_gib"] * GIB
     math = memory_estimate(profile, math_attention=True)[chapter]["gpu_gib"] * GIB
+    host = estimate["host_gib"] * GIB - HOST_BASE  # the kernel itself is already running
 
     def lower(part, field):
         if part is None:
@@ -247,6 +262,11 @@ def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None) -> s
                      if profile.name == "gpu" else "")
         raise MemoryError(said.format(fused / GIB) + f": {lower(*KNOBS.get(chapter, (None, None)))}"
                           f"{return_to}, or run it where more is free.")
+    if host_available is not None and host > host_available:
+        knob = lower(*KNOBS[chapter]) if chapter in KNOBS else "close other programs"
+        raise MemoryError(f"{chapter} needs about {host / GIB:.1f} GiB of host memory beyond the kernel's at the "
+                          f"`{profile.name}` profile's sizes and this machine has {host_available / GIB:.1f} GiB "
+                          f"available: {knob}, or run it on a machine with more memory.")
     if math > free_bytes:  # the math kernel's scores grow with the micro-batch, not with the sequences
         return (said.format(math / GIB) + " if attention takes PyTorch's math kernel (a fused kernel needs "
                 f"{fused / GIB:.1f}); if it runs out of memory, {lower('mismatch', 'micro_batch')}.")

@@ -291,11 +291,14 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         warmup=replace(gpu.warmup, steps=300), moe_warmup=replace(gpu.moe_warmup, steps=300),
         task=replace(gpu.task, eval_problems=256),
         grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
-        mismatch=replace(gpu.mismatch, sequences=256),
+        # fp32 rescoring with grouped-query attention and no mask takes PyTorch's math kernel on every GPU (no
+        # fused kernel takes fp32 with GQA): 8 sequences of 4,000 tokens at a time fit a 40 GB card, 64 do not
+        mismatch=replace(gpu.mismatch, sequences=256, micro_batch=8),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
+        # chapter 7's probe at 4 sequences: its vocabulary log-probabilities fit a free Colab VM's 12.7 GB
         real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024,
-                     probe_sequences=8),
+                     probe_sequences=4),
         # 4 prompts of 8 completions a step: chapter 5's real-model training fits a 15 GB card
         real_rl=replace(gpu.real_rl, steps=50, prompts_per_step=4, seeds=1),
     )

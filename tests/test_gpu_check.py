@@ -150,6 +150,22 @@ def test_the_next_chapter_runs_after_one_overruns_and_only_completed_ones_are_wr
     assert written["parameters"]["name"] == "gpu" and written["seconds"] < written["slice_s"] + 1
 
 
+def test_a_chapter_that_needs_the_real_model_is_not_run_without_its_wheel(tmp_path, monkeypatch):
+    from labutils import pretrained
+
+    ran = []
+
+    def fake(stem, work, seconds, env):
+        ran.append(stem)
+        return 0.0, "stopped after its slice"
+
+    monkeypatch.setattr(pretrained, "installed", lambda: False)
+    outcomes = gpu_check.run_chapters(["04c_two_programs", "05c_update_direction", "09_fp8"], tmp_path / "work",
+                                      tmp_path / "gpu", {}, execute=fake)
+    assert ran == ["09_fp8"] and set(gpu_check.NEEDS_REAL_MODEL) <= set(gpu_check.SLICES)
+    assert all(outcomes[stem].startswith("not run: it needs the real model's wheel") for stem in gpu_check.NEEDS_REAL_MODEL)
+
+
 def test_every_slice_keeps_fp32_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")  # as NGC's images set it
     seen = {}
@@ -333,6 +349,21 @@ def test_no_profile_samples_fp16_and_fp32_longer_than_bf16():
         assert profile.real.short_length <= profile.real.length, name
 
 
+def test_every_profile_and_slice_gives_chapter_2s_real_fixes_whole_groups():
+    # trl refuses a generation batch that is not a whole number of groups (GRPOConfig.__post_init__)
+    gpu = profiles.PROFILES["gpu"]
+    for name, profile in (*profiles.PROFILES.items(), ("gpu_trimmed", profiles.gpu_trimmed(gpu)),
+                          *((stem, gpu_check.trimmed(stem, gpu)) for stem in gpu_check.SLICES)):
+        assert profile.real.fix_batch % profile.grpo.num_generations == 0, name
+
+
+def test_every_chapter_fits_colabs_free_t4_at_the_sizes_auto_gives_it():
+    trimmed = gpu_memory.memory_estimate(profiles.gpu_trimmed(profiles.PROFILES["gpu"]))
+    for stem, need in trimmed.items():
+        assert need["gpu_gib"] < gpu_memory.T4_GIB, stem
+        assert need["host_gib"] * gpu_memory.GIB < gpu_memory.COLAB_FREE_HOST_GB * 1e9, stem
+
+
 def test_a_chapter_that_cannot_fit_the_free_gpu_memory_is_refused_before_any_work(monkeypatch):
     import types
 
@@ -350,6 +381,10 @@ def test_a_chapter_that_cannot_fit_the_free_gpu_memory_is_refused_before_any_wor
     assert "math kernel" in warned and "`mismatch.micro_batch`" in warned
     assert gpu_memory.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(2 * math)) is None
     assert set(gpu_memory.KNOBS) <= set(gpu_memory.memory_estimate(gpu))
+    with pytest.raises(MemoryError) as refused:  # chapter 7's vocabulary log-probabilities on a small host
+        gpu_memory.refuse_if_too_big("07_lora", gpu, free_bytes=int(2 * math), host_available=2**30)
+    said = str(refused.value)
+    assert "GiB of host memory" in said and f"`real.probe_sequences` (now {gpu.real.probe_sequences})" in said
     # through the chapters' parameter check, as a T4 with 2 GiB free would meet it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 5))
