@@ -63,6 +63,19 @@ def closure(python: str) -> dict[str, str]:
     return found
 
 
+def _wanted(wheel: Path, wanted: dict[str, str], wheels: list[Path]) -> bool:
+    """Whether `wheel` is the closure's version of its distribution (the newest present where none is pinned)."""
+    from packaging.version import Version
+
+    name, version = canonical(wheel.name.split("-")[0]), wheel.name.split("-")[1]
+    if name not in wanted:
+        return False
+    if wanted[name]:
+        return Version(version) == Version(wanted[name])
+    present = [Version(w.name.split("-")[1]) for w in wheels if canonical(w.name.split("-")[0]) == name]
+    return Version(version) == max(present)
+
+
 def download(dest: Path, python: str) -> list[Path]:
     """Fill `dest` with one wheel per distribution of the closure; refuses past LIMIT_MB."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -72,7 +85,7 @@ def download(dest: Path, python: str) -> list[Path]:
                     "--python-version", python, "--implementation", "cp", *platforms, "-d", str(dest),
                     *(f"{name}=={version}" if version else name for name, version in sorted(wanted.items()))], check=True)
     wheels = sorted(dest.glob("*.whl"))
-    stale = [w for w in wheels if canonical(w.name.split("-")[0]) not in wanted]
+    stale = [w for w in wheels if not _wanted(w, wanted, wheels)]
     for wheel in stale:  # another version's leftovers would install twice
         wheel.unlink()
     wheels = [w for w in wheels if w not in stale]

@@ -291,11 +291,14 @@ def gpu_trimmed(gpu: Profile) -> Profile:
         warmup=replace(gpu.warmup, steps=300), moe_warmup=replace(gpu.moe_warmup, steps=300),
         task=replace(gpu.task, eval_problems=256),
         grpo=replace(gpu.grpo, steps=20), rl=replace(gpu.rl, steps=30), sampler_rl=replace(gpu.sampler_rl, steps=20),
-        mismatch=replace(gpu.mismatch, sequences=256),
+        # fp32 rescoring with grouped-query attention and no mask takes PyTorch's math kernel on every GPU (no
+        # fused kernel takes fp32 with GQA): 8 sequences of 4,000 tokens at a time fit a 40 GB card, 64 do not
+        mismatch=replace(gpu.mismatch, sequences=256, micro_batch=8),
         routing=replace(gpu.routing, sequences=128),
         sampler=replace(gpu.sampler, dial_sequences=8, bias_batches=4, seeds=2, eval_problems=128, eval_every=10),
+        # chapter 7's probe at 4 sequences: its vocabulary log-probabilities fit a free Colab VM's 12.7 GB
         real=replace(gpu.real, sequences=(("bf16", 16), ("fp16", 16), ("fp32", 4)), length=1024, short_length=1024,
-                     probe_sequences=8),
+                     probe_sequences=4),
         # 4 prompts of 8 completions a step: chapter 5's real-model training fits a 15 GB card
         real_rl=replace(gpu.real_rl, steps=50, prompts_per_step=4, seeds=1),
     )
@@ -311,9 +314,9 @@ def resolve(profile: str) -> Profile:
     "auto" is "gpu" on any CUDA GPU, else "cpu". The gpu profile's sizes were set for an 80-141 GB card;
     on a smaller one (Colab's T4 and L4, a 40 GB A100) "auto" takes the trimmed sizes (`gpu_trimmed`,
     which every chapter's computed peak fits on a 15 GB T4) and sets GPU_TRIMMED, so that the processes a
-    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU
-    below compute capability 8.0 (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run natively, and
-    bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
+    chapter starts take them too; "gpu" alone keeps the full sizes. A GPU below compute capability 8.0
+    (a T4, a V100) has no bf16 arithmetic: its gpu profile has `bf16_native=False`, fp16 and fp32 run
+    natively, and bf16 runs without bf16 tensor cores, slower; chapters say which of their parts that touches
     (`check_parameters(..., bf16_parts=...)`).
     """
     if profile not in VALID_PROFILES:
@@ -363,16 +366,9 @@ def check_parameters(profile: str, seed: int, **optional) -> Profile:
 
     `optional` may carry `model_id` (None, a local directory or a hub id), `steps` (None -> the
     profile's, else a positive int), `bf16_parts` (what of the chapter runs in bf16, for the
-    sentence a GPU without bf16 arithmetic gets) and `chapter` (its stem: on a GPU, its computed peak
-    memory is checked against the memory free before any work, `bookbuild.gpu_check.refuse_if_too_big`).
+    sentence a GPU without bf16 arithmetic gets).
     """
     chosen = resolve(profile)
-    if chosen.device == "cuda" and optional.get("chapter"):
-        from bookbuild import gpu_check
-
-        warning = gpu_check.refuse_if_too_big(optional["chapter"], chosen)
-        if warning:
-            print(warning)
     note = bf16_note(chosen, optional.get("bf16_parts") or "its bf16 parts")
     if note:
         print(note)

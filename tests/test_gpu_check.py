@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from labutils import models, profiles
+from labutils import gpu_memory, models, profiles
 from bookbuild import gpu_check, pipeline, wheels
 
 
@@ -40,6 +40,15 @@ def test_install_takes_the_measured_libraries_and_refuses_a_machine_without_cuda
         gpu_check.install(wheel_folder, str(tmp_path))
     taken = {wheels.canonical(p.name.split("-")[0]) for p in tmp_path.glob("*.dist-info")}
     assert set(wheels.MATCH) <= taken  # always the versions the book was measured with
+
+
+def test_a_leftover_version_of_a_wanted_library_is_not_kept():
+    """A folder kept between runs may hold last month's peft beside this month's: only one may install."""
+    found = [Path(n) for n in ("peft-0.21.2-py3-none-any.whl", "peft-0.22.0-py3-none-any.whl",
+                               "tenacity-9.2.0-py3-none-any.whl", "tenacity-9.2.1-py3-none-any.whl",
+                               "gone-1.0-py3-none-any.whl")]
+    kept = [w.name for w in found if wheels._wanted(w, {"peft": "0.21.2", "tenacity": ""}, found)]
+    assert kept == ["peft-0.21.2-py3-none-any.whl", "tenacity-9.2.1-py3-none-any.whl"]
 
 
 def test_install_says_where_the_wheels_come_from(tmp_path):
@@ -141,6 +150,22 @@ def test_the_next_chapter_runs_after_one_overruns_and_only_completed_ones_are_wr
     assert written["parameters"]["name"] == "gpu" and written["seconds"] < written["slice_s"] + 1
 
 
+def test_a_chapter_that_needs_the_real_model_is_not_run_without_its_wheel(tmp_path, monkeypatch):
+    from labutils import pretrained
+
+    ran = []
+
+    def fake(stem, work, seconds, env):
+        ran.append(stem)
+        return 0.0, "stopped after its slice"
+
+    monkeypatch.setattr(pretrained, "installed", lambda: False)
+    outcomes = gpu_check.run_chapters(["04c_two_programs", "05c_update_direction", "09_fp8"], tmp_path / "work",
+                                      tmp_path / "gpu", {}, execute=fake)
+    assert ran == ["09_fp8"] and set(gpu_check.NEEDS_REAL_MODEL) <= set(gpu_check.SLICES)
+    assert all(outcomes[stem].startswith("not run: it needs the real model's wheel") for stem in gpu_check.NEEDS_REAL_MODEL)
+
+
 def test_every_slice_keeps_fp32_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "1")  # as NGC's images set it
     seen = {}
@@ -240,23 +265,23 @@ def test_expect_lists_every_chapter_with_gpu_and_host_memory(capsys):
 
 
 def test_the_kv_cache_replay_follows_its_doubling_and_its_transients():
-    shape = gpu_check.Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=32)
+    shape = gpu_memory.Shape(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=32)
     slot = shape.kv_slot  # K and V of 2 heads of 16 fp32 values
     assert slot == 2 * 2 * 16 * 4
     # one row of 100 tokens after an 8-token prompt: capacity 64, then 128 at token 57 (one layer's old 64 beside)
-    assert gpu_check.kv_cache_peak(shape, [100], 8) == slot * (2 * 128 + 64)
+    assert gpu_memory.kv_cache_peak(shape, [100], 8) == slot * (2 * 128 + 64)
     # the same row beside one that stops at 10 tokens: dropping it copies one layer's kept row at capacity 64
-    assert gpu_check.kv_cache_peak(shape, [100, 10], 8) == max(slot * 64 * (2 * 2 + 1), slot * (2 * 128 + 64))
+    assert gpu_memory.kv_cache_peak(shape, [100, 10], 8) == max(slot * 64 * (2 * 2 + 1), slot * (2 * 128 + 64))
     # the gpu profile's chapter 4: the cache alone outgrows a T4, about twice "half the rows at half the length"
     gpu = profiles.PROFILES["gpu"]
-    m, dense = gpu.mismatch, gpu_check.lab_shape(gpu.dense)
-    peak = gpu_check.kv_cache_peak(dense, gpu_check._uniform(m.sequences, m.min_len, m.max_len), 8)
+    m, dense = gpu.mismatch, gpu_memory.lab_shape(gpu.dense)
+    peak = gpu_memory.kv_cache_peak(dense, gpu_memory._uniform(m.sequences, m.min_len, m.max_len), 8)
     assert peak / 2**30 > 12 and peak > 1.8 * dense.layers * dense.kv_slot * m.sequences / 2 * m.max_len / 2
 
 
 def test_the_memory_formulas_hold_to_the_peaks_measured_on_this_cpu():
     size = dict(hidden_size=1024, num_layers=1, num_heads=8, num_kv_heads=4, intermediate_size=64, max_positions=1024)
-    lengths = gpu_check._uniform(24, 16, 150)
+    lengths = gpu_memory._uniform(24, 16, 150)
     spec = dict(size=size, lengths=lengths, prompt=8, micro_batch=4)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(spec)], env=env, capture_output=True, text=True,
@@ -265,11 +290,11 @@ def test_the_memory_formulas_hold_to_the_peaks_measured_on_this_cpu():
         pytest.skip("this kernel does not let a process reset its peak resident set (/proc/self/clear_refs)")
     assert done.returncode == 0, done.stderr[-2000:]
     measured = json.loads(done.stdout.splitlines()[-1])
-    shape = dataclasses.replace(gpu_check.lab_shape(profiles.ModelSize(**size)), vocab=measured["vocab"])
+    shape = dataclasses.replace(gpu_memory.lab_shape(profiles.ModelSize(**size)), vocab=measured["vocab"])
     weights = 4 * shape.parameters  # the engines' copies exist before each measured call
-    predicted = {"sample": gpu_check.sampling_bytes(shape, lengths, 8) - weights,
-                 "fused": gpu_check.scoring_bytes(shape, 4, measured["width"]) - weights,
-                 "math": gpu_check.scoring_bytes(shape, 4, measured["width"], math=True) - weights}
+    predicted = {"sample": gpu_memory.sampling_bytes(shape, lengths, 8) - weights,
+                 "fused": gpu_memory.scoring_bytes(shape, 4, measured["width"]) - weights,
+                 "math": gpu_memory.scoring_bytes(shape, 4, measured["width"], math=True) - weights}
     for name, value in predicted.items():
         assert abs(measured[name] - value) <= TOLERANCE * value, (name, measured[name] / 2**20, value / 2**20)
     assert measured["math"] > measured["fused"]  # the math kernel's scores are really there
@@ -324,23 +349,42 @@ def test_no_profile_samples_fp16_and_fp32_longer_than_bf16():
         assert profile.real.short_length <= profile.real.length, name
 
 
+def test_every_profile_and_slice_gives_chapter_2s_real_fixes_whole_groups():
+    # trl refuses a generation batch that is not a whole number of groups (GRPOConfig.__post_init__)
+    gpu = profiles.PROFILES["gpu"]
+    for name, profile in (*profiles.PROFILES.items(), ("gpu_trimmed", profiles.gpu_trimmed(gpu)),
+                          *((stem, gpu_check.trimmed(stem, gpu)) for stem in gpu_check.SLICES)):
+        assert profile.real.fix_batch % profile.grpo.num_generations == 0, name
+
+
+def test_every_chapter_fits_colabs_free_t4_at_the_sizes_auto_gives_it():
+    trimmed = gpu_memory.memory_estimate(profiles.gpu_trimmed(profiles.PROFILES["gpu"]))
+    for stem, need in trimmed.items():
+        assert need["gpu_gib"] < gpu_memory.T4_GIB, stem
+        assert need["host_gib"] * gpu_memory.GIB < gpu_memory.COLAB_FREE_HOST_GB * 1e9, stem
+
+
 def test_a_chapter_that_cannot_fit_the_free_gpu_memory_is_refused_before_any_work(monkeypatch):
     import types
 
     import torch
 
     gpu = profiles.PROFILES["gpu"]
-    fused = gpu_check.memory_estimate(gpu, math_attention=False)["04_mismatch"]["gpu_gib"] * gpu_check.GIB
-    math = gpu_check.memory_estimate(gpu, math_attention=True)["04_mismatch"]["gpu_gib"] * gpu_check.GIB
+    fused = gpu_memory.memory_estimate(gpu, math_attention=False)["04_mismatch"]["gpu_gib"] * gpu_memory.GIB
+    math = gpu_memory.memory_estimate(gpu, math_attention=True)["04_mismatch"]["gpu_gib"] * gpu_memory.GIB
     assert math > fused  # fp32 scoring with grouped-query attention may take the math kernel
     with pytest.raises(MemoryError) as refused:
-        gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(fused / 2))
+        gpu_memory.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(fused / 2))
     said = str(refused.value)
     assert said.count(". ") == 0 and f"`mismatch.sequences` (now {gpu.mismatch.sequences})" in said
-    warned = gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int((fused + math) / 2))
+    warned = gpu_memory.refuse_if_too_big("04_mismatch", gpu, free_bytes=int((fused + math) / 2))
     assert "math kernel" in warned and "`mismatch.micro_batch`" in warned
-    assert gpu_check.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(2 * math)) is None
-    assert set(gpu_check.KNOBS) <= set(gpu_check.memory_estimate(gpu))
+    assert gpu_memory.refuse_if_too_big("04_mismatch", gpu, free_bytes=int(2 * math)) is None
+    assert set(gpu_memory.KNOBS) <= set(gpu_memory.memory_estimate(gpu))
+    with pytest.raises(MemoryError) as refused:  # chapter 7's vocabulary log-probabilities on a small host
+        gpu_memory.refuse_if_too_big("07_lora", gpu, free_bytes=int(2 * math), host_available=2**30)
+    said = str(refused.value)
+    assert "GiB of host memory" in said and f"`real.probe_sequences` (now {gpu.real.probe_sequences})" in said
     # through the chapters' parameter check, as a T4 with 2 GiB free would meet it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (7, 5))
@@ -349,6 +393,7 @@ def test_a_chapter_that_cannot_fit_the_free_gpu_memory_is_refused_before_any_wor
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 0)
     monkeypatch.setenv(profiles.GPU_TRIMMED, "0")  # auto sets it on a small card; restored afterwards
+    chosen = profiles.check_parameters("auto", 0)
     with pytest.raises(MemoryError, match="04_mismatch needs about"):
-        profiles.check_parameters("auto", 0, chapter="04_mismatch")
-    assert profiles.check_parameters("auto", 0, chapter="01_number_formats").name == "gpu"
+        gpu_memory.check("04_mismatch", chosen)
+    assert chosen.name == "gpu" and gpu_memory.check("01_number_formats", chosen) is None

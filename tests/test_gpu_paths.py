@@ -24,6 +24,9 @@ CUDA_ONLY = {
     ("09_fp8", 'if DEVICE == "cuda":'),
     ("09_fp8", 'run.record(matmul={"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",'),
     ("11_troubleshooting", 'old_gpu = DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 0)'),
+    ("02_qlora_crash", 'timeout=1800.0 * (len(jobs) if DEVICE == "cuda" else 1))'),  # a cap per job on a GPU
+    ("04b_real_mismatch", '+ ("" if DEVICE == "cuda" else ", unused on a CPU")),'),  # the cuBLAS library's name
+    ("04b_real_mismatch", 'if DEVICE == "cuda" else'),  # the speed reading on a GPU
 }
 # ... and in labutils: what runs only where the device is CUDA (the CPU takes the other side of each)
 CUDA_ONLY_HELPERS = {
@@ -33,6 +36,7 @@ CUDA_ONLY_HELPERS = {
     ("rollout.py", 'if kind == "cuda":'),  # engine_dtype's CUDA checks
     ("pretrained.py", 'if profile.device != "cuda":'),  # a GPU without the real model's wheel measures the toy
     ("launch.py", 'if profile.device != "cuda" or processes <= 1:'),  # one GPU per DDP process (tested below)
+    ("gpu_memory.py", 'if profile.device == "cuda":'),  # the chapter's peak against the free memory (test_gpu_check)
 }
 BRANCH = re.compile(r'DEVICE == "cuda"|P\.device == "cuda"')
 HELPER_BRANCH = re.compile(r'^\s*if (.*(== "cuda"|!= "cuda"|startswith\("cuda"\)).*|torch\.cuda\.is_available\(\)):$')
