@@ -230,18 +230,13 @@ def host_available_bytes() -> int | None:
         return None
 
 
-def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None,
-                      host_available: int | None = None) -> str | None:
+def refuse_if_too_big(chapter: str, profile, free_bytes: int, host_available: int | None = None) -> str | None:
     """Before any work: raise MemoryError, in one sentence naming the profile value to lower, where the chapter's
     computed peak GPU memory (`memory_estimate`) exceeds what the GPU has free even if attention takes a fused
     kernel, or its host memory beyond a started kernel's exceeds what the machine has available; return a
-    warning where it fits only if attention takes a fused kernel (else None). Free GPU memory counts what this
-    process's caching allocator holds unused (a second "Run all" in the same kernel)."""
-    if free_bytes is None:
-        import torch
-
-        free_bytes = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        host_available = host_available_bytes()
+    warning where it fits only if attention takes a fused kernel (else None). `check` counts as free what this
+    process's caching allocator holds unused (a second "Run all" in the same kernel); `host_available` None
+    skips the host check."""
     estimate = memory_estimate(profile, math_attention=False)[chapter]
     fused = estimate["gpu_gib"] * GIB
     math = memory_estimate(profile, math_attention=True)[chapter]["gpu_gib"] * GIB
@@ -276,6 +271,9 @@ def refuse_if_too_big(chapter: str, profile, free_bytes: int | None = None,
 def check(chapter: str, profile) -> None:
     """On a GPU, `refuse_if_too_big` before the chapter's first allocation and print its warning; elsewhere nothing."""
     if profile.device == "cuda":
-        warning = refuse_if_too_big(chapter, profile)
+        import torch
+
+        free = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        warning = refuse_if_too_big(chapter, profile, free, host_available_bytes())
         if warning:
             print(warning)
