@@ -45,6 +45,13 @@ class Gram:
         rr, rr_loo = self.cross(reference, reference)
         return (uu - 2 * ur + rr) / rr, (uu_loo - 2 * ur_loo + rr_loo) / rr_loo
 
+    def loss(self, update: tuple[str, str], reference: tuple[str, str] = ("fp32", "none")) -> tuple[float, torch.Tensor]:
+        """⟨ḡ_ref − ḡ, ḡ_ref⟩, the numerator of 1 − ρ, and its leave-one-batch-out values: a test of ρ = 1 that
+        does not divide by the noisy ‖ḡ_ref‖²."""
+        rr, rr_loo = self.cross(reference, reference)
+        ur, ur_loo = self.cross(update, reference)
+        return rr - ur, rr_loo - ur_loo
+
     def denominator_cv(self, reference: tuple[str, str] = ("fp32", "none")) -> float:
         """The jackknife coefficient of variation of ‖ḡ_ref‖²: above about 0.3 a ratio's interval is approximate."""
         rr, loo = self.cross(reference, reference)

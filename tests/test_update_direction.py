@@ -62,6 +62,11 @@ def test_the_cross_batch_products_are_the_mean_over_distinct_pairs():
     assert value == pytest.approx(sum(pairs) / len(pairs))
     left = [float(x[i] @ y[j]) for i in range(1, 5) for j in range(1, 5) if i != j]
     assert float(loo[0]) == pytest.approx(sum(left) / len(left))
+    # 1 − ρ's numerator, tested without dividing by the reference's noisy norm
+    loss, loss_loo = gram.loss(("a", "none"), ("b", "none"))
+    assert loss == pytest.approx(gram.cross(("b", "none"), ("b", "none"))[0] - value)
+    assert gram.loss(("b", "none"), ("b", "none"))[0] == 0.0
+    assert torch.allclose(loss_loo, gram.cross(("b", "none"), ("b", "none"))[1] - loo)
     # the run's own estimator is the same statistic
     assert update_direction.direction(x, y)["rho"] == pytest.approx(
         gram.rho(("a", "none"), ("b", "none"))[0])
