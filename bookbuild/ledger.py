@@ -102,14 +102,15 @@ def _update_biased(sampler, dose, rho, rho_se, achieved, verdict, needed):
     """The mechanism at the update (chapter 5c): the uncorrected GRPO update on μ's samples, at bf16's dose at 1K
     tokens, keeps a share ρ of the on-policy update; the chapter's own verdict, with its power."""
     measured = (f"at fixed weights on the real 135M model, on the {sampler} sampler's completions ({dose:.2g} nats "
-                f"per completion, bf16's dose at 1K tokens by chapter 4b), the uncorrected GRPO update of the last "
+                f"per completion, the dose nearest above bf16's at 1K tokens in chapter 4b), the uncorrected GRPO update of the last "
                 f"two decoder blocks keeps ρ = {rho:.2f} ± {rho_se:.2f} of the on-policy update; power "
                 f"{_share(achieved)} to see a drop of 0.05")
     if verdict == "shown":
         return measured, CONFIRMED
     if verdict == "contradicted":
         return measured, CONTRADICTED + " (ρ and the whole change within the margin)"
-    decide = f"; about {needed:,.0f} completions per sampler would decide it" if needed else ""
+    decide = (f"; about {float(f'{needed:.2g}'):,.0f} completions per sampler would give 80% power" if needed
+              else "")
     return measured, INCONCLUSIVE + f" (power {_share(achieved)}{decide})"
 
 

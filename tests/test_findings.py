@@ -204,7 +204,7 @@ def test_the_update_link_reads_the_update_direction_chapters_verdict(tmp_path, v
     assert links["GRPO on mismatched samples computes a biased update (it loses the on-policy direction)"] == status
     page = findings.page(tmp_path, tmp_path / "site")
     if verdict == "unresolved":  # an unresolved link states its power and what would decide it
-        assert "power 10%; about 20,000 completions per sampler would decide it" in page
+        assert "power 10%; about 20,000 completions per sampler would give 80% power" in page
 
 
 def test_the_quoted_trl_defaults_are_the_installed_ones():
