@@ -32,11 +32,13 @@ def resolve_profile(profile: str) -> str:
 
 
 def fingerprint(stem: str, parameters: dict, root: Path = ROOT) -> str:
-    """Hash of a chapter's source, the labutils code chapters run (the build's own code is not in it), its
-    parameters and the environment."""
+    """Hash of a chapter's source, the labutils code chapters run (the build's own code is not in it), the
+    committed long runs they read, its parameters and the environment."""
     digest = hashlib.sha256((root / "chapters" / f"{stem}.md").read_bytes())
     for module in sorted((root / "labutils").rglob("*.py")):
         digest.update(module.name.encode() + module.read_bytes())
+    for run in sorted((root / "results" / "long").glob("*.json")):
+        digest.update(run.name.encode() + run.read_bytes())
     digest.update(json.dumps(parameters, sort_keys=True).encode())
     digest.update(json.dumps(environment(), sort_keys=True).encode())
     return digest.hexdigest()

@@ -176,3 +176,16 @@ def test_the_fingerprint_covers_library_versions_and_the_kernel_set(monkeypatch)
                     {**here, "kernels": here["kernels"].replace("onednn max default", "onednn max AVX2")}):
         monkeypatch.setattr(pipeline, "environment", lambda changed=changed: changed)
         assert pipeline.fingerprint("01_number_formats", {"profile": "cpu"}) != key
+
+
+def test_a_new_committed_long_run_executes_the_chapters_again(tmp_path):
+    """A chapter that reads a committed run shows that run's numbers, never the previous one's."""
+    (tmp_path / "chapters").mkdir()
+    (tmp_path / "chapters" / "zz.md").write_text("# zz\n")
+    (tmp_path / "labutils").mkdir()
+    (tmp_path / "results" / "long").mkdir(parents=True)
+    run = tmp_path / "results" / "long" / "real_rl.json"
+    run.write_text('{"minutes": 81.7}')
+    key = pipeline.fingerprint("zz", {"profile": "cpu"}, tmp_path)
+    run.write_text('{"minutes": 18.1}')
+    assert pipeline.fingerprint("zz", {"profile": "cpu"}, tmp_path) != key
