@@ -330,7 +330,8 @@ def _update_kind(m) -> str:
 def _update_numbers(m) -> str:
     key = "05c_update_direction:direction.at_paper."
     return (f"at fixed weights on the real 135M model, a GRPO update on the {m(key + 'label')} sampler's completions "
-            f"({m(key + 'dose'):.2g} nats per completion, the dose nearest above bf16's at 1K tokens in chapter 4b) keeps "
+            f"({m(key + 'dose'):.2g} nats per completion, the dose nearest above bf16's at 1K tokens in chapter 4b) "
+            f"keeps "
             f"{m(key + 'rho'):.2f} ± {m(key + 'rho_se'):.2f} of the last two blocks' on-policy update "
             f"({m('05c_update_direction:direction.verdict.biased')}; power {m(key + 'power'):.0%} for a loss of "
             f"{m('05c_update_direction:direction.smallest_drop'):.2f})")

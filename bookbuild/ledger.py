@@ -102,8 +102,8 @@ def _update_biased(sampler, dose, rho, rho_se, achieved, verdict, needed):
     """The mechanism at the update (chapter 5c): the uncorrected GRPO update on μ's samples, at bf16's dose at 1K
     tokens, keeps a share ρ of the on-policy update; the chapter's own verdict, with its power."""
     measured = (f"at fixed weights on the real 135M model, on the {sampler} sampler's completions ({dose:.2g} nats "
-                f"per completion, the dose nearest above bf16's at 1K tokens in chapter 4b), the uncorrected GRPO update of the last "
-                f"two decoder blocks keeps ρ = {rho:.2f} ± {rho_se:.2f} of the on-policy update; power "
+                f"per completion, the dose nearest above bf16's at 1K tokens in chapter 4b), the uncorrected GRPO "
+                f"update of the last two decoder blocks keeps ρ = {rho:.2f} ± {rho_se:.2f} of the on-policy update; power "
                 f"{_share(achieved)} to see a drop of 0.05")
     if verdict == "shown":
         return measured, CONFIRMED
