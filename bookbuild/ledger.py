@@ -247,12 +247,15 @@ def _fp8_formats(act_e4, act_e5, grad_e4, grad_e5):
     return measured, INCONCLUSIVE
 
 
-def _slope_is_variance(slope, se, drift):
-    """The slope of log π/μ against length: a mean drift (−sequence KL per 1K), or a growing variance?"""
+def _slope_is_variance(slope, se, drift, accumulates):
+    """The slope of log π/μ against length: a mean drift (−sequence KL per 1K), or a growing variance? E[Σ log π/μ]
+    = −Σ KL is an identity, so the slope's expectation is the drift wherever the token KL stays above zero; the fit
+    only has to agree with it. Whether the fit alone could tell the drift from zero depends on the draw of 8
+    sequences, so it does not decide."""
     measured = (f"SmolLM2-135M, bf16: slope of the prefix log π/μ {slope:+.2f} ± {se:.2f} per 1K tokens against "
-                f"the mean drift −KL per 1K {-drift:+.2f} ({abs(slope + drift) / se:.1f} SE apart; the fit can tell the "
-                f"drift from 0 when 3 SE < |drift|: {3 * se:.2f} vs {drift:.2f})")
-    if 3 * se < drift and abs(slope + drift) <= 3 * se:
+                f"the mean drift −KL per 1K {-drift:+.2f} ({abs(slope + drift) / se:.1f} SE apart); the token KL "
+                f"{'stays' if accumulates else 'is not shown to stay'} above zero at every position band")
+    if accumulates and abs(slope + drift) <= 3 * se:
         return measured, CONTRADICTED + " (the slope is the mean drift, linear in length; the weight π/μ's variance is what grows)"
     return measured, INCONCLUSIVE
 
@@ -299,8 +302,8 @@ CLAIMS = [
            "ratio.same_program.value"), _two_programs),
     Claim("fp16", "The log-ratio slope (−1.01 BF16, −0.07 FP16 per 1K tokens) is a variance that grows "
           "exponentially with length.", "Slopes −1.01 and −0.07 per 1K tokens of log(π/μ) against length.",
-          "04b_real_mismatch", ("real.slope_per_1k.bf16", "real.slope_stderr_per_1k.bf16", "real.seq_kl_1k.bf16"),
-          _slope_is_variance),
+          "04b_real_mismatch", ("real.slope_per_1k.bf16", "real.slope_stderr_per_1k.bf16", "real.seq_kl_1k.bf16",
+                                "real.accumulation.bf16.shown"), _slope_is_variance),
     Claim("fp16", "BF16 training with FP32 inference is stable ('excellent').", "", "04b_real_mismatch",
           ("real.token_kl.bf16_train_fp32_infer", "real.token_kl_stderr.bf16_train_fp32_infer", "real.token_kl.bf16",
            "real.token_kl_stderr.bf16"), _mixed_engines),

@@ -183,3 +183,13 @@ def test_a_toy_metric_read_where_the_real_models_is_recorded_is_flagged():
     assert not quantities.toy_in_place_of_real({"07_lora:grpo.steps"}, runs)  # no real-model counterpart recorded
     del runs["04b_real_mismatch"]
     assert not quantities.toy_in_place_of_real({"04_mismatch:grid.bf16_fp32.token_kl"}, runs)
+
+
+def test_the_slope_reads_as_the_mean_drift_whatever_the_draw_of_its_error():
+    """E[Σ log π/μ] = −Σ KL: with the token KL above zero at every band, a fit within 3 SE of the drift contradicts
+    the variance reading however wide its error came out; a fit far from the drift, or no accumulation, does not."""
+    judge = _claim("log-ratio slope").judge
+    for slope, se, drift in ((-1.07, 0.33, 1.81), (-1.87, 0.84, 1.68)):  # two kernel sets' draws
+        assert judge(slope, se, drift, True)[1].startswith(ledger.CONTRADICTED)
+    assert judge(-0.1, 0.1, 1.7, True)[1] == ledger.INCONCLUSIVE
+    assert judge(-1.07, 0.33, 1.81, False)[1] == ledger.INCONCLUSIVE
